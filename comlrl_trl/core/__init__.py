@@ -1,0 +1,1 @@
+"""Pure, model-free building blocks (joint actions, advantages)."""

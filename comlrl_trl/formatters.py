@@ -1,0 +1,47 @@
+"""Formatters turn a task item into one agent's prompt."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+Formatter = Callable[[dict[str, Any]], Any]
+
+
+def default_formatter(item: dict[str, Any]) -> str:
+    """The prompt of an item is its `prompt` field."""
+    if "prompt" not in item:
+        raise KeyError(
+            f"The default formatter reads the 'prompt' field, but this task item has only {sorted(item)}. "
+            "Pass formatters=... to build prompts from other fields."
+        )
+    return item["prompt"]
+
+
+def build_formatters(formatters: Formatter | Sequence[Formatter] | None, num_agents: int) -> list[Formatter]:
+    """One formatter per agent, in actor order: `None` (read `prompt`), one callable for all, or a list of N."""
+    if formatters is None:
+        return [default_formatter] * num_agents
+    if callable(formatters):
+        return [formatters] * num_agents
+    if isinstance(formatters, (list, tuple)):
+        if len(formatters) != num_agents:
+            raise ValueError(
+                f"Got {len(formatters)} formatters for {num_agents} agents: pass one formatter for all agents or a "
+                "list with one per agent, in actor order."
+            )
+        for i, formatter in enumerate(formatters):
+            if not callable(formatter):
+                raise TypeError(f"formatters[{i}] must be a callable item -> prompt, got {type(formatter).__name__}.")
+        return list(formatters)
+    raise TypeError(f"formatters must be None, a callable or a list of callables, got {type(formatters).__name__}.")
+
+
+def format_prompt(formatter: Formatter, item: dict[str, Any], agent_idx: int) -> Any:
+    """Apply a formatter and check it produced a prompt: a string or a list of chat messages."""
+    prompt = formatter(item)
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+        return prompt
+    raise TypeError(
+        f"The formatter of agent {agent_idx} returned {type(prompt).__name__}; a prompt must be a string or a list "
+        "of chat messages ({'role': ..., 'content': ...})."
+    )

@@ -1,0 +1,86 @@
+"""The joint reward contract: how trainers call the user's reward function and check what it returns."""
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from numbers import Real
+from typing import Any
+
+
+def accepts_keyword(func: Callable, name: str) -> bool:
+    """Whether `func` takes the keyword `name` (explicitly or through `**kwargs`).
+
+    The documented contracts have exactly one optional keyword each (`batch_items` for reward functions,
+    `external_prompts` for formatters); this is the only signature inspection the library does.
+    """
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature take what they take
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class JointReward:
+    """Calls `reward_func(*agent_completions[, batch_items=[item]])` for one task item and validates the result.
+
+    `agent_completions` holds one list per agent, in actor order; position j of every list is joint action j.
+    The function must return one real number per joint action. `reward_processor` is applied to each value.
+    """
+
+    def __init__(self, reward_func: Callable, reward_processor: Callable[[float], float] | None = None):
+        if not callable(reward_func):
+            raise TypeError(
+                f"reward_func must be a callable returning one reward per joint action, got {type(reward_func).__name__}."
+            )
+        if reward_processor is not None and not callable(reward_processor):
+            raise TypeError(f"reward_processor must be a callable float -> float, got {type(reward_processor).__name__}.")
+        self.reward_func = reward_func
+        self.reward_processor = reward_processor
+        self.pass_batch_items = accepts_keyword(reward_func, "batch_items")
+
+    def __call__(self, agent_completions: Sequence[Sequence[str]], item: dict[str, Any], item_label: str) -> list[float]:
+        num_joint = len(agent_completions[0])
+        kwargs = {"batch_items": [item]} if self.pass_batch_items else {}
+        try:
+            raw = self.reward_func(*agent_completions, **kwargs)
+        except Exception as error:
+            error.add_note(f"comlrl_trl: raised by reward_func on {item_label}: {_short(item)}")
+            raise
+        rewards = _as_list(raw, item_label)
+        if len(rewards) != num_joint:
+            raise ValueError(
+                f"reward_func returned {len(rewards)} values for {item_label}, expected {num_joint} "
+                f"(one per joint action). Item: {_short(item)}"
+            )
+        processed = []
+        for j, value in enumerate(rewards):
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(
+                    f"reward_func returned {type(value).__name__} {value!r} at position {j} for {item_label}; "
+                    "rewards must be real numbers."
+                )
+            value = float(value)
+            if self.reward_processor is not None:
+                value = float(self.reward_processor(value))
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"reward for joint action {j} of {item_label} is {value} (after reward_processor); rewards must "
+                    f"be finite. Item: {_short(item)}"
+                )
+            processed.append(value)
+        return processed
+
+
+def _as_list(raw: Any, item_label: str) -> list:
+    if hasattr(raw, "tolist"):  # torch tensors and numpy arrays
+        raw = raw.tolist()
+    if isinstance(raw, (list, tuple)):
+        return [v.item() if hasattr(v, "item") else v for v in raw]
+    raise TypeError(
+        f"reward_func must return a list of numbers (one per joint action), got {type(raw).__name__} for {item_label}."
+    )
+
+
+def _short(item: dict[str, Any], limit: int = 200) -> str:
+    text = repr(item)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,1 @@
+"""Multi-agent trainers. Import them from their family: `comlrl_trl.trainers.reinforce`."""

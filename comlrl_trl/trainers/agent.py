@@ -1,0 +1,70 @@
+"""One agent's TRL GRPO trainer, with the seams a joint-rollout orchestrator needs.
+
+TRL's `GRPOTrainer._generate_and_score_completions` generates, scores, computes old/reference log-probs and
+advantages, and logs. A multi-agent rollout must generate for *all* agents before any reward exists, so the
+orchestrator runs each agent's real `_generate` first, computes joint rewards, then lets TRL score every agent
+with the rollout and rewards handed in through `inject()`. Everything else (padding, masks after EOS, reference
+KL with adapters disabled for LoRA, the clipped loss, metrics) stays TRL's own code.
+"""
+
+import torch
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from trl import GRPOTrainer
+
+
+def joint_reward(prompts=None, completions=None, **kwargs):
+    """Placeholder reward function of every agent trainer: rewards are joint and injected, never computed here.
+
+    Its name labels TRL's per-agent reward metrics (`rewards/joint_reward/mean`).
+    """
+    raise RuntimeError("joint_reward is computed by the joint-rollout orchestrator and must never be called.")
+
+
+class AgentGRPOTrainer(GRPOTrainer):
+    """A `GRPOTrainer` for one agent of a team: generation, scoring and loss are TRL's; rewards come from outside."""
+
+    # True for agents after the first: their Accelerator is not the first one of the process.
+    _is_follower: bool = False
+    _injected_rollout: tuple | None = None
+    _injected_rewards: torch.Tensor | None = None
+
+    def inject(self, rollout: tuple, rewards: torch.Tensor) -> None:
+        """Hand in the next `_generate` output and the gathered `(B_global, 1)` rewards for the next scoring."""
+        self._injected_rollout = rollout
+        self._injected_rewards = rewards
+
+    def _generate(self, prompts: list):
+        rollout = self._injected_rollout
+        if rollout is None:
+            return super()._generate(prompts)
+        self._injected_rollout = None
+        return rollout
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = self._injected_rewards
+        if rewards is None:
+            raise RuntimeError("Agent trainers score only joint rewards injected by the orchestrator.")
+        self._injected_rewards = None
+        return rewards
+
+    def _prepare_inputs(self, generation_batch):
+        # Agents other than the first receive ready, scored micro-batches from the orchestrator.
+        if isinstance(generation_batch, dict):
+            return generation_batch
+        return super()._prepare_inputs(generation_batch)
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        # Accelerate refuses a DeepSpeed plugin on a second Accelerator; later agents reuse the active plugin.
+        if self._is_follower and AcceleratorState._shared_state and (
+            AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+        ):
+            args["deepspeed_plugin"] = None
+        return args
+
+
+class FollowerGRPOTrainer(AgentGRPOTrainer):
+    """The trainer of an agent after the first: driven by the team trainer's loop, never by its own `train()`."""
+
+    _is_follower = True

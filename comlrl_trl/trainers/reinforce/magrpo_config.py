@@ -1,0 +1,219 @@
+"""Configuration of MAGRPO and its REINFORCE variants."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers.utils import is_torch_bf16_gpu_available
+from trl import GRPOConfig
+
+
+# Defaults shared by the spec fields and their TRL twins. Each pair may be set through either name.
+_DEFAULT_LEARNING_RATE = 5e-6
+_DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class MAGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`MAGRPOTrainer`]: multi-agent group relative policy optimisation.
+
+    Every [`~trl.GRPOConfig`] field is accepted with TRL's meaning; only the fields below are new or have a
+    different default. Each agent is trained by its own TRL GRPO trainer built from this configuration, so batch,
+    optimiser, precision and loss settings apply to every agent.
+
+    Parameters:
+        > Parameters that define the team
+
+        num_agents (`int`, *optional*, defaults to `2`):
+            Number of cooperating agents. Must match the agents given to the trainer.
+        num_turns (`int`, *optional*, defaults to `1`):
+            Turns per episode. Turns after the first need an `external_transition` (multi-turn support is not in
+            this release: only `1` is accepted by the trainer).
+        joint_mode (`str`, *optional*, defaults to `"align"`):
+            How the agents' completions form joint actions. `"align"` pairs the k-th completion of every agent
+            (K joint actions per task item); `"cross"` scores the Cartesian product (K^N joint actions), and a
+            completion's return is then the mean of the returns of the joint actions it takes part in.
+
+        > Parameters that control generation (spec names)
+
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Maximum completion length per agent. Same as TRL's `max_completion_length`; set either one.
+        num_generations (`int`, *optional*, defaults to `4`):
+            Completions per agent per task item (K). Must be at least 2 (the baseline needs a group).
+        top_k (`int` or `None`, *optional*, defaults to `None`):
+            Top-k filtering; `None` or `0` disables it.
+
+        > Parameters that control the update
+
+        agent_learning_rate (`float`, *optional*, defaults to `5e-6`):
+            Learning rate of every agent's optimiser. Same as `learning_rate`; set either one.
+        advantage_mode (`str`, *optional*, defaults to `"mean"`):
+            Baseline subtracted from each completion's return within its group: `"mean"` (MAGRPO), `"raw"` (no
+            baseline, MAREINFORCE), `"max"` (MAReMax) or `"rloo"` (leave-one-out mean, MARLOO).
+        advantage_normalization (`bool` or `None`, *optional*, defaults to `None`):
+            Whether advantages are centred and divided by the group standard deviation. Same as TRL's
+            `scale_rewards` (`True` is `"group"`, `False` is `"none"`); `None` follows `scale_rewards`. With
+            normalisation on, all four baselines give the same advantages.
+        per_device_train_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Completions per agent per device and micro-step, as in TRL. `None` means `num_generations`: one task
+            item per device per micro-step.
+
+        > Parameters that control evaluation and logging
+
+        logging_steps (`int`, *optional*, defaults to `10`):
+            Minimum gap, counted in `env_step` (joint-action reward evaluations), between two training logs.
+        eval_interval (`int`, *optional*, defaults to `16`):
+            Evaluate before task item 0 of every epoch and then every `eval_interval` training task items;
+            `0` evaluates only when `evaluate()` is called.
+        eval_num_samples (`int`, *optional*, defaults to `4`):
+            Number of evaluation task items, taken from the start of the evaluation split.
+        eval_batch_size (`int`, *optional*, defaults to `1`):
+            Batch size of the evaluation data loader (not the number of responses: evaluation samples one response
+            per agent per item).
+
+    Defaults that differ from [`~trl.GRPOConfig`]: `num_generations=4`, `learning_rate=5e-6`,
+    `max_completion_length=256`, `shuffle_dataset=False` (the task order is kept; shuffle the dataset yourself or
+    set `shuffle_dataset=True` for per-epoch shuffling), `save_strategy="no"`, `logging_nan_inf_filter=False` (a
+    non-finite loss is an error, never silently replaced), and `bf16`, which is on only where the accelerator
+    supports it, so the same configuration runs on a CPU-only machine.
+    """
+
+    num_agents: int = field(default=2, metadata={"help": "Number of cooperating agents."})
+    num_turns: int = field(default=1, metadata={"help": "Turns per episode."})
+    joint_mode: Literal["align", "cross"] = field(
+        default="align",
+        metadata={"help": "Joint actions: 'align' (k-th with k-th, K per item) or 'cross' (all K^N combinations)."},
+    )
+    advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(
+        default="mean", metadata={"help": "Group baseline: 'mean', 'raw', 'max' or 'rloo'."}
+    )
+    advantage_normalization: bool | None = field(
+        default=None,
+        metadata={"help": "Divide advantages by the group std. None follows `scale_rewards` (default 'group')."},
+    )
+    agent_learning_rate: float | None = field(
+        default=None, metadata={"help": f"Agents' learning rate (alias of learning_rate, default {_DEFAULT_LEARNING_RATE})."}
+    )
+    max_new_tokens: int | None = field(
+        default=None,
+        metadata={"help": f"Max completion tokens (alias of max_completion_length, default {_DEFAULT_MAX_NEW_TOKENS})."},
+    )
+    eval_interval: int = field(
+        default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
+    )
+    eval_num_samples: int = field(default=4, metadata={"help": "Number of evaluation task items."})
+    eval_batch_size: int = field(default=1, metadata={"help": "Batch size of the evaluation data loader."})
+
+    # TRL fields whose default changes here.
+    learning_rate: float | None = field(
+        default=None, metadata={"help": f"Agents' learning rate (alias of agent_learning_rate, default {_DEFAULT_LEARNING_RATE})."}
+    )
+    max_completion_length: int | None = field(
+        default=None,
+        metadata={"help": f"Max completion tokens (alias of max_new_tokens, default {_DEFAULT_MAX_NEW_TOKENS})."},
+    )
+    num_generations: int | None = field(default=4, metadata={"help": "Completions per agent per task item (K)."})
+    per_device_train_batch_size: int | None = field(
+        default=None, metadata={"help": "Completions per agent per device and micro-step; None: num_generations."}
+    )
+    top_k: int | None = field(default=None, metadata={"help": "Top-k filtering; None or 0 disables it."})
+    shuffle_dataset: bool | None = field(default=False, metadata={"help": "Reshuffle the task items every epoch."})
+    save_strategy: str = field(default="no", metadata={"help": "TRL checkpoint strategy."})
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "Kept False: a non-finite loss raises instead of being hidden."}
+    )
+
+    def __post_init__(self):
+        self.learning_rate = _merge_alias("agent_learning_rate", self.agent_learning_rate, "learning_rate",
+                                          self.learning_rate, _DEFAULT_LEARNING_RATE)
+        self.agent_learning_rate = self.learning_rate
+        self.max_completion_length = _merge_alias("max_new_tokens", self.max_new_tokens, "max_completion_length",
+                                                  self.max_completion_length, _DEFAULT_MAX_NEW_TOKENS)
+        self.max_new_tokens = self.max_completion_length
+        self.advantage_normalization, self.scale_rewards = _merge_normalization(
+            self.advantage_normalization, self.scale_rewards
+        )
+        if self.top_k is None:
+            self.top_k = 0
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 (the group baseline needs several samples), got {self.num_generations}."
+            )
+        if self.per_device_train_batch_size is None:
+            self.per_device_train_batch_size = self.num_generations
+        if self.bf16 is None:
+            # TRL turns bf16 on by default, which fails on a CPU-only machine; use it only where it is supported.
+            self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
+        self._validate_multi_agent_fields()
+        super().__post_init__()
+
+    def _validate_multi_agent_fields(self):
+        for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not isinstance(self.eval_interval, int) or self.eval_interval < 0:
+            raise ValueError(f"eval_interval must be an integer >= 0 (0: manual evaluation only), got {self.eval_interval!r}.")
+        if self.logging_steps < 1:
+            raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
+        _check_choice("joint_mode", self.joint_mode, ("align", "cross"))
+        _check_choice("advantage_mode", self.advantage_mode, ("mean", "raw", "max", "rloo"))
+        if self.eval_strategy not in ("no", None) and str(self.eval_strategy) != "IntervalStrategy.NO":
+            raise ValueError(
+                f"eval_strategy={self.eval_strategy!r} is not used by multi-agent trainers: evaluation follows "
+                "eval_interval (task items). Leave eval_strategy='no' and set eval_interval instead."
+            )
+
+
+@dataclass
+class MAREINFORCEConfig(MAGRPOConfig):
+    """[`MAGRPOConfig`] with `advantage_mode="raw"`: REINFORCE on the joint return, no baseline."""
+
+    advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(default="raw", metadata={"help": "Group baseline."})
+
+
+@dataclass
+class MARLOOConfig(MAGRPOConfig):
+    """[`MAGRPOConfig`] with `advantage_mode="rloo"`: the baseline is the mean return of the other K-1 samples."""
+
+    advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(default="rloo", metadata={"help": "Group baseline."})
+
+
+@dataclass
+class MAReMaxConfig(MAGRPOConfig):
+    """[`MAGRPOConfig`] with `advantage_mode="max"`: the baseline is the best return of the group."""
+
+    advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(default="max", metadata={"help": "Group baseline."})
+
+
+def _merge_alias(spec_name, spec_value, trl_name, trl_value, default):
+    """Resolve a spec field and its TRL twin: either may be set; both set to different values is an error."""
+    if spec_value is not None and trl_value is not None and spec_value != trl_value:
+        raise ValueError(
+            f"{spec_name}={spec_value!r} and {trl_name}={trl_value!r} set the same thing to different values; "
+            f"set only one of them."
+        )
+    if spec_value is not None:
+        return spec_value
+    return trl_value if trl_value is not None else default
+
+
+def _merge_normalization(advantage_normalization, scale_rewards):
+    """`advantage_normalization` is the spec's name for TRL's `scale_rewards` (True: 'group', False: 'none')."""
+    scale = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
+    _check_choice("scale_rewards", scale, ("group", "batch", "none"))
+    if advantage_normalization is None:
+        return scale != "none", scale
+    if advantage_normalization != (scale != "none"):
+        if scale == "group":  # TRL's default: the spec field decides
+            return advantage_normalization, "group" if advantage_normalization else "none"
+        raise ValueError(
+            f"advantage_normalization={advantage_normalization!r} conflicts with scale_rewards={scale_rewards!r}; "
+            "set only one of them."
+        )
+    return advantage_normalization, scale
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}.")

@@ -1,0 +1,533 @@
+"""MAGRPO: multi-agent group relative policy optimisation on TRL, and its REINFORCE variants.
+
+Shape: `MAGRPOTrainer` is agent 0's TRL `GRPOTrainer` and owns the one real `Trainer.train()` loop, so TRL and
+transformers callbacks, `report_to`, LR schedules and Accelerate preparation work unchanged. Agents 1..N-1 are
+`FollowerGRPOTrainer`s, each with its own model (optionally LoRA), optimiser, scheduler and Accelerator, driven
+from this loop. A `JointRolloutOrchestrator` generates for all agents, calls the joint reward and hands every
+agent its scored batch; TRL's loss then runs once per agent per micro-step.
+"""
+
+import copy
+import itertools
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers.integrations import WandbCallback
+from transformers.trainer_callback import ProgressCallback
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+from ...formatters import build_formatters
+from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
+from ...joint_reward import JointReward
+from ...orchestrator import JointRolloutOrchestrator
+from ..agent import AgentGRPOTrainer, FollowerGRPOTrainer, joint_reward
+from .magrpo_config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
+
+
+class MAGRPOTrainer(AgentGRPOTrainer):
+    """
+    Trainer for cooperative LLM agents with one joint reward ([MAGRPO](https://huggingface.co/papers/2508.04652)).
+
+    Every training step samples K completions per agent per task item (one batched `generate` per agent), scores
+    the joint actions with `reward_func`, gives every completion a group-relative advantage per agent and updates
+    every agent with TRL's GRPO loss.
+
+    Args:
+        agent_model (`str`, *optional*):
+            Model id or local path shared by all agents (homogeneous team): each agent gets its own copy.
+        agents (`list`, *optional*):
+            One entry per agent, in actor order: model ids, local paths (a saved `agent_i` directory, with a LoRA
+            adapter or full weights) or `PreTrainedModel` objects. If `agent_model` is also given, every entry
+            must name the same model.
+        num_agents (`int`, *optional*):
+            Number of agents. Defaults to `len(agents)`, else `args.num_agents`; all given values must agree.
+        tokenizer (`PreTrainedTokenizerBase` or `list`, *optional*):
+            One tokenizer for all agents or one per agent. Required when agents are model objects; otherwise each
+            agent's tokenizer is loaded from its path.
+        formatters (`Callable` or `list[Callable]`, *optional*):
+            Task item -> prompt (a string or chat messages), one for all agents or one per agent. Defaults to
+            reading the item's `prompt` field.
+        reward_func (`Callable`):
+            `reward_func(agent_0_completions, ..., agent_{N-1}_completions[, batch_items=[item]])` returns one
+            reward per joint action. It is called once per task item; position j of every list is joint action j.
+        reward_processor (`Callable[[float], float]`, *optional*):
+            Applied to every reward, e.g. `RewardProcessors.scale(10.0)`. Defaults to the identity.
+        train_dataset, eval_dataset (`Dataset` or `IterableDataset`, *optional*):
+            Task items (dict rows). Training keeps their order unless `args.shuffle_dataset=True`.
+        args ([`MAGRPOConfig`], *optional*):
+            Configuration; defaults to the trainer's config class with `num_agents` set.
+        external_transition (`Callable`, *optional*):
+            Multi-turn environment step (needed for `num_turns > 1`; multi-turn is not in this release).
+        wandb_config (`dict`, *optional*):
+            W&B run settings (`project`, `entity`, `name`/`run_name`, `tags`, `dir`, `config_sections`, ...).
+            `None` disables W&B.
+        eval_logger, eval_aggregator (`Callable`, *optional*):
+            Custom evaluation metrics; given together. The logger gets `agent_completions_turns`
+            (`[agent][item][turn]`), `batch_items` and raw `prompts` and returns one dict per item; the
+            aggregator reduces those rows (with `num_turns`) to scalars, logged with the `eval/` prefix.
+        peft_config (`PeftConfig` or `list`, *optional*):
+            LoRA (or other PEFT) configuration for every agent, or one per agent (`None` entries train fully).
+        callbacks (`list[TrainerCallback]`, *optional*):
+            TRL/transformers callbacks; they see the team loop's state.
+
+    Example:
+
+    ```python
+    >>> trainer = MAGRPOTrainer(agent_model="path/to/model", num_agents=2, reward_func=reward_func,
+    ...                         train_dataset=dataset, args=MAGRPOConfig(num_agents=2))
+    >>> trainer.train()
+    ```
+    """
+
+    default_config_cls = MAGRPOConfig
+    algorithm_name = "MAGRPO"
+    _tag_names = ["trl", "grpo", "comlrl_trl", "magrpo"]
+
+    def __init__(
+        self,
+        agent_model: str | PreTrainedModel | None = None,
+        agents: Sequence[str | PreTrainedModel] | None = None,
+        num_agents: int | None = None,
+        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
+        formatters: Callable | Sequence[Callable] | None = None,
+        reward_func: Callable | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | None = None,
+        args: MAGRPOConfig | None = None,
+        external_transition: Callable | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        eval_logger: Callable | None = None,
+        eval_aggregator: Callable | None = None,
+        peft_config: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+    ):
+        sources = _resolve_agent_sources(agent_model, agents, num_agents, args)
+        n = len(sources)
+        if args is None:
+            args = self.default_config_cls(num_agents=n)
+        if not isinstance(args, MAGRPOConfig):
+            raise TypeError(f"args must be a MAGRPOConfig (or a subclass), got {type(args).__name__}.")
+        if args.num_agents != n:
+            raise ValueError(
+                f"{n} agents were given but args.num_agents={args.num_agents}; set {type(args).__name__}"
+                f"(num_agents={n}) or pass the matching number of agents."
+            )
+        _validate_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset)
+        validate_wandb_config(wandb_config)
+        tokenizers = _resolve_tokenizers(tokenizer, sources)
+        peft_configs = _per_agent(peft_config, n, "peft_config")
+        formatter_list = build_formatters(formatters, n)
+        joint = JointReward(reward_func, reward_processor)
+        models = [_load_saved_adapter(source) for source in sources]
+        # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
+        # the Accelerate state the live trainers share.
+        follower_args = [_follower_args(args) for _ in range(n - 1)]
+
+        super().__init__(
+            model=models[0],
+            reward_funcs=[joint_reward],
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=tokenizers[0],
+            callbacks=callbacks,
+            peft_config=peft_configs[0],
+        )
+        followers = [
+            FollowerGRPOTrainer(model=models[i], reward_funcs=[joint_reward], args=follower_args[i - 1],
+                                train_dataset=train_dataset, processing_class=tokenizers[i],
+                                peft_config=peft_configs[i])
+            for i in range(1, n)
+        ]
+        self._team = [self, *followers]
+        self.formatters = formatter_list
+        self.eval_dataset = eval_dataset
+        self.eval_logger = eval_logger
+        self.eval_aggregator = eval_aggregator
+        self.external_transition = external_transition
+        self.wandb_config = wandb_config
+        self.orchestrator = JointRolloutOrchestrator(
+            self._team, formatter_list, joint, num_generations=args.num_generations, joint_mode=args.joint_mode,
+            advantage_mode=args.advantage_mode, scale_rewards=args.scale_rewards,
+        )
+        self.env_step = 0
+        self._epoch_items = 0  # training task items seen in this epoch (all processes), for eval_interval
+        self._joint_metrics = defaultdict(list)
+        self._last_logged_env_step = 0
+        self._last_logged_global_step = 0
+        self._follower_loss = [0.0] * (n - 1)
+        self._follower_grad_norms = [[] for _ in range(n - 1)]
+        self._setup_callbacks(wandb_config)
+
+    # ----- the team -----
+
+    @property
+    def agents(self) -> list[PreTrainedModel]:
+        """The agents' models, in actor order (PEFT models when training adapters)."""
+        return [agent.model for agent in self._team]
+
+    @property
+    def tokenizers(self) -> list[PreTrainedTokenizerBase]:
+        """The agents' tokenizers, in actor order."""
+        return [agent.processing_class for agent in self._team]
+
+    def _setup_callbacks(self, wandb_config):
+        self.add_callback(_TeamCallback(self))
+        if wandb_config is not None:
+            self.remove_callback(WandbCallback)  # one W&B writer: ours logs the spec's keys against env_step
+            self.add_callback(WandbRunCallback(wandb_config, self._run_config()))
+        if not verbose_from_wandb_config(wandb_config):
+            self.remove_callback(ProgressCallback)
+
+    def _run_config(self) -> dict[str, Any]:
+        args = self.args
+        return {
+            "algorithm": self.algorithm_name,
+            "model_names": [agent.model.config._name_or_path for agent in self._team],
+            **{key: getattr(args, key) for key in (
+                "num_agents", "num_turns", "num_generations", "joint_mode", "advantage_mode",
+                "advantage_normalization", "learning_rate", "num_train_epochs", "max_completion_length",
+                "temperature", "top_p", "top_k", "beta", "loss_type", "seed")},
+        }
+
+    # ----- training -----
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if resume_from_checkpoint is not None:
+            raise NotImplementedError(
+                "Resuming multi-agent training from a checkpoint is not available in this release; use save_model() "
+                "and construct a new trainer from the saved agent_i directories."
+            )
+        return super().train(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The team rollout. Returns agent 0's scored batch; the other agents' batches are buffered on them."""
+        items = len(inputs) // self.args.num_generations * self.accelerator.num_processes
+        self._maybe_evaluate(first_item=self._epoch_items, num_items=items)
+        rollout = self.orchestrator.rollout(inputs, first_item_index=self._epoch_items)
+        self._epoch_items += items
+        for follower, batch in zip(self._team[1:], rollout.agent_batches[1:]):
+            follower._buffered_inputs = split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation)
+        self.env_step += rollout.env_steps
+        rewards = torch.tensor(rollout.item_rewards, device=self.accelerator.device)
+        all_rewards = self.accelerator.gather(rewards).tolist()
+        self._joint_metrics["turn_1/reward_mean"].extend(all_rewards)
+        self._joint_metrics["turn_1/expected_return"].extend(all_rewards)  # one turn: the return is the reward
+        return rollout.agent_batches[0]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        slot = self._step % self.args.steps_per_generation  # the buffered micro-batch every agent trains on now
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        _check_finite_loss(loss, 0, self.state.global_step)
+        for i, follower in enumerate(self._team[1:], start=1):
+            follower.current_gradient_accumulation_steps = self.current_gradient_accumulation_steps
+            sync = self.accelerator.sync_gradients
+            context = nullcontext() if sync else follower.accelerator.no_sync(follower.model_wrapped)
+            with context:
+                follower_loss = follower.training_step(follower.model_wrapped, follower._buffered_inputs[slot], None)
+            _check_finite_loss(follower_loss, i, self.state.global_step)
+            self._follower_loss[i - 1] += follower_loss.item()
+        return loss
+
+    def _prepare_followers(self):
+        for follower in self._team[1:]:
+            follower.model.train()
+            follower.state.max_steps = self.state.max_steps
+            follower._prepare_for_training(self.state.max_steps, None, None)
+
+    def _step_followers(self):
+        for i, follower in enumerate(self._team[1:]):
+            if self.args.max_grad_norm > 0:
+                grad_norm = follower._clip_grad_norm(follower.model_wrapped)
+                self._follower_grad_norms[i].append(float(grad_norm))
+            follower.optimizer.step()
+            if not follower.accelerator.optimizer_step_was_skipped:
+                follower.lr_scheduler.step()
+            follower.model_wrapped.zero_grad()
+            follower.state.global_step = self.state.global_step + 1
+            follower.state.epoch = self.state.epoch
+
+    # ----- logging -----
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and "train_runtime" not in logs:
+            logs = self._team_training_logs(logs)
+        Trainer.log(self, logs, start_time)
+
+    def _team_training_logs(self, logs: dict[str, float]) -> dict[str, float]:
+        steps = max(self.state.global_step - self._last_logged_global_step, 1)
+        out = {"env_step": self.env_step}
+        agent_losses = [logs.pop("loss")]
+        for i, total in enumerate(self._follower_loss):
+            mean = self.accelerator.gather(torch.tensor(total / steps, device=self.accelerator.device)).mean().item()
+            agent_losses.append(mean)
+            self._follower_loss[i] = 0.0
+        out["loss"] = sum(agent_losses)  # the team objective: the sum of the agents' losses
+        for i, agent_loss in enumerate(agent_losses):
+            out[f"agent_{i}/loss"] = agent_loss
+        if "grad_norm" in logs:
+            out["agent_0/grad_norm"] = logs.pop("grad_norm")
+        for i, norms in enumerate(self._follower_grad_norms, start=1):
+            if norms:
+                out[f"agent_{i}/grad_norm"] = sum(norms) / len(norms)
+                norms.clear()
+        out.update(logs)
+        for i, agent in enumerate(self._team):
+            for key, values in agent._metrics["train"].items():
+                valid = [v for v in values if not math.isnan(v)]
+                if valid:
+                    out[f"agent_{i}/{key}"] = sum(valid) / len(valid)
+            agent._metrics["train"].clear()
+        for key, values in self._joint_metrics.items():
+            if values:
+                out[key] = sum(values) / len(values)
+        self._joint_metrics.clear()
+        if self.beta != 0.0:
+            kls = [out[f"agent_{i}/kl"] for i in range(len(self._team)) if f"agent_{i}/kl" in out]
+            if kls:
+                out["turn_1/reference_kl_mean"] = sum(kls) / len(kls)
+                out["turn_1/reference_kl_penalty_mean"] = self.beta * out["turn_1/reference_kl_mean"]
+        self._last_logged_env_step = self.env_step
+        self._last_logged_global_step = self.state.global_step
+        return out
+
+    # ----- evaluation -----
+
+    def _maybe_evaluate(self, first_item: int, num_items: int) -> None:
+        interval = self.args.eval_interval
+        if interval > 0 and self.eval_dataset is not None:
+            if any(index % interval == 0 for index in range(first_item, first_item + num_items)):
+                self.evaluate()
+
+    def evaluate(self, num_eval_samples: int | None = None) -> dict[str, float]:
+        """Sample one response per agent for the first `num_eval_samples` evaluation items and score them.
+
+        Returns `eval/turn_1/reward_mean` and `eval/turn_1/expected_return` (plus the custom metrics of
+        `eval_logger`/`eval_aggregator`), or `{}` without an eval_dataset. Model weights are not updated.
+        """
+        if self.eval_dataset is None:
+            return {}
+        count = self.args.eval_num_samples if num_eval_samples is None else num_eval_samples
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"num_eval_samples must be a positive integer, got {count!r}.")
+        items = list(itertools.islice(iter(self.eval_dataset), count))
+        local = items[self.accelerator.process_index :: self.accelerator.num_processes]
+        loader = DataLoader(local, batch_size=self.args.eval_batch_size, collate_fn=list)
+        completions = [[] for _ in self._team]  # [agent][local item]
+        training = [agent.model.training for agent in self._team]
+        try:
+            for agent in self._team:
+                agent.model.eval()
+            for batch in loader:
+                for agent_completions, new in zip(completions, self.orchestrator.sample(batch)):
+                    agent_completions.extend(new)
+        finally:
+            for agent, was_training in zip(self._team, training):
+                agent.model.train(was_training)
+                agent._metrics["eval"].clear()
+        rewards = [
+            self.orchestrator.joint_reward([[agent[row]] for agent in completions], item, f"evaluation item {row}")[0]
+            for row, item in enumerate(local)
+        ]
+        metrics = _eval_metrics(self.accelerator.gather_for_metrics(rewards, use_gather_object=True))
+        if self.eval_logger is not None:
+            rows = self.eval_logger(
+                agent_completions_turns=[[[text] for text in agent] for agent in completions],
+                batch_items=local,
+                prompts=[item.get("prompt") for item in local],
+            )
+            all_rows = self.accelerator.gather_for_metrics(list(rows), use_gather_object=True)
+            custom = self.eval_aggregator(all_rows, num_turns=self.args.num_turns)
+            metrics.update({f"eval/{key}": value for key, value in custom.items()})
+        self.log({"env_step": self.env_step, **metrics})
+        return metrics
+
+    # ----- saving -----
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Export every agent to `output_dir/agent_i/` (config, weights or LoRA adapter, tokenizer).
+
+        An export, not a checkpoint: optimiser state is not saved. Each `agent_i` directory can be passed back
+        as an entry of `agents=[...]` to continue training.
+        """
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        for i, agent in enumerate(self._team):
+            path = os.path.join(output_dir, f"agent_{i}")
+            if agent is self:
+                super().save_model(path, _internal_call=_internal_call)
+            else:
+                agent.save_model(path, _internal_call=_internal_call)
+
+
+class _TeamCallback(TrainerCallback):
+    """Drives the follower agents from the team loop and gates training logs on env_step."""
+
+    def __init__(self, trainer: MAGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._prepare_followers()
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.trainer._epoch_items = 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._step_followers()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.logging_strategy == "steps":
+            gap = self.trainer.env_step - self.trainer._last_logged_env_step
+            control.should_log = gap >= args.logging_steps or (args.logging_first_step and state.global_step == 1)
+        return control
+
+
+class MAREINFORCETrainer(MAGRPOTrainer):
+    """MAGRPO with `advantage_mode="raw"` by default: REINFORCE on the joint return."""
+
+    default_config_cls = MAREINFORCEConfig
+    algorithm_name = "MAREINFORCE"
+
+
+class MARLOOTrainer(MAGRPOTrainer):
+    """MAGRPO with `advantage_mode="rloo"` by default: leave-one-out baseline."""
+
+    default_config_cls = MARLOOConfig
+    algorithm_name = "MARLOO"
+
+
+class MAReMaxTrainer(MAGRPOTrainer):
+    """MAGRPO with `advantage_mode="max"` by default: the group's best return is the baseline."""
+
+    default_config_cls = MAReMaxConfig
+    algorithm_name = "MAReMax"
+
+
+# ----- construction helpers -----
+
+
+def _resolve_agent_sources(agent_model, agents, num_agents, args) -> list:
+    """The per-agent model sources, checked against `agent_model`, `num_agents` and `args.num_agents`."""
+    if agents is not None:
+        if isinstance(agents, (str, PreTrainedModel)) or not isinstance(agents, Sequence) or len(agents) == 0:
+            raise TypeError("agents must be a non-empty list of model ids, paths or models (one per agent).")
+        if any(agent is None for agent in agents):
+            raise ValueError("agents entries must not be None.")
+        sources = list(agents)
+        if agent_model is not None:
+            expected = _model_name(agent_model)
+            names = [_model_name(agent) for agent in sources]
+            if any(name != expected for name in names):
+                raise ValueError(
+                    f"agent_model and agents conflict: {expected!r} != {names}. Pass agents alone for a "
+                    "heterogeneous team, or agent_model alone for copies of one model."
+                )
+        if num_agents is not None and num_agents != len(sources):
+            raise ValueError(f"agents has {len(sources)} entries but num_agents={num_agents}.")
+        return sources
+    if agent_model is None:
+        raise ValueError("Either agent_model (one model for all agents) or agents (one per agent) must be provided.")
+    n = num_agents if num_agents is not None else (args.num_agents if args is not None else 2)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_agents must be a positive integer, got {n!r}.")
+    if not isinstance(agent_model, str) and n > 1:
+        raise ValueError(
+            "agent_model must be a model id or path to build several agents (each agent gets its own copy); "
+            "to pass model objects use agents=[model_0, model_1, ...]."
+        )
+    return [agent_model] * n
+
+
+def _model_name(source) -> str:
+    return source if isinstance(source, str) else source.config._name_or_path
+
+
+def _resolve_tokenizers(tokenizer, sources) -> list:
+    n = len(sources)
+    if isinstance(tokenizer, (list, tuple)):
+        if len(tokenizer) != n:
+            raise ValueError(f"Got {len(tokenizer)} tokenizers for {n} agents: pass one tokenizer or one per agent.")
+        return list(tokenizer)
+    if tokenizer is not None:
+        return [tokenizer] * n
+    if any(not isinstance(source, str) for source in sources):
+        raise ValueError(
+            "Tokenizer(s) must be provided when agents are model objects: pass tokenizer=... (one for all agents "
+            "or a list with one per agent)."
+        )
+    return [AutoTokenizer.from_pretrained(source, padding_side="left") for source in sources]
+
+
+def _load_saved_adapter(source):
+    """A local directory holding a PEFT adapter (from `save_model` with LoRA) is loaded trainable; others pass."""
+    if isinstance(source, str) and os.path.isfile(os.path.join(source, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True)
+    return source
+
+
+def _per_agent(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} agents: pass one for all or one per agent.")
+        return list(value)
+    return [copy.deepcopy(value) for _ in range(n)]
+
+
+def _follower_args(args: MAGRPOConfig) -> MAGRPOConfig:
+    follower = copy.deepcopy(args)
+    follower.report_to = []  # only the team loop reports
+    return follower
+
+
+def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset):
+    if train_dataset is None:
+        raise ValueError("train_dataset is required: a datasets.Dataset or IterableDataset of task items.")
+    if reward_func is None:
+        raise ValueError("reward_func is required: a callable returning one reward per joint action.")
+    if args.num_turns > 1:
+        if external_transition is None:
+            raise ValueError(
+                f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts."
+            )
+        raise NotImplementedError("Multi-turn training (num_turns > 1) is not available in this release yet.")
+    if (eval_logger is None) != (eval_aggregator is None):
+        raise ValueError("eval_logger and eval_aggregator work together: pass both or neither.")
+    k = args.num_generations
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    if local_rows % k != 0:
+        raise ValueError(
+            f"per_device_train_batch_size * steps_per_generation = {local_rows} must be a multiple of "
+            f"num_generations = {k}, so that every task item's {k} completions per agent stay on one device and "
+            "the joint reward sees whole groups."
+        )
+    if args.save_strategy != "no":
+        raise ValueError(
+            f"save_strategy={args.save_strategy!r}: multi-agent checkpoints are not available in this release; "
+            "keep save_strategy='no' and export the agents with trainer.save_model(dir)."
+        )
+    if args.log_completions:
+        raise ValueError("log_completions is not supported by multi-agent trainers yet; leave it False.")
+    if args.use_vllm:
+        raise ValueError("use_vllm is not supported by multi-agent trainers yet (one vLLM engine per agent).")
+    if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
+        raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")
+
+
+def _check_finite_loss(loss: torch.Tensor, agent_idx: int, step: int) -> None:
+    if not torch.isfinite(loss).all():
+        raise FloatingPointError(f"Agent {agent_idx} produced a non-finite loss ({loss.item()}) at step {step}.")
+
+
+def _eval_metrics(rewards: list[float]) -> dict[str, float]:
+    mean = sum(rewards) / len(rewards)
+    # One turn: the expected return from turn 1 is the turn-1 reward.
+    return {"eval/turn_1/reward_mean": mean, "eval/turn_1/expected_return": mean}
