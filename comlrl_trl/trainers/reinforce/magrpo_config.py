@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
@@ -75,7 +76,8 @@ class MAGRPOConfig(GRPOConfig):
     `max_completion_length=256`, `shuffle_dataset=False` (the task order is kept; shuffle the dataset yourself or
     set `shuffle_dataset=True` for per-epoch shuffling), `save_strategy="no"`, `logging_nan_inf_filter=False` (a
     non-finite loss is an error, never silently replaced), and `bf16`, which is on only where the accelerator
-    supports it, so the same configuration runs on a CPU-only machine.
+    supports it, so the same configuration runs on a CPU-only machine, where `use_cpu` is also turned on (so that
+    `torchrun` starts a real multi-process CPU group).
     """
 
     num_agents: int = field(default=2, metadata={"help": "Number of cooperating agents."})
@@ -141,6 +143,10 @@ class MAGRPOConfig(GRPOConfig):
             )
         if self.per_device_train_batch_size is None:
             self.per_device_train_batch_size = self.num_generations
+        if not self.use_cpu and not torch.accelerator.is_available():
+            # Without an accelerator, Accelerate only forms a multi-process CPU group (gloo) when told it runs on
+            # the CPU; otherwise every torchrun rank would silently train alone on the full data.
+            self.use_cpu = True
         if self.bf16 is None:
             # TRL turns bf16 on by default, which fails on a CPU-only machine; use it only where it is supported.
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()

@@ -1,0 +1,46 @@
+# Everything runs in a local virtual environment (.venv) created from this repository's own files.
+# torch is installed first from the pinned CPU wheel, so that pip never pulls a multi-GB CUDA build.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export OMP_NUM_THREADS := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install install-demo test test-slow demo lint clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q $(TORCH) -e '.[test]'
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.base
+	$(PY) -m pip install -q $(TORCH) -e '.[demo]'
+	touch $@
+
+install: $(VENV)/.base
+
+install-demo: $(VENV)/.demo
+
+## The test suite (CPU, offline, tiny models): `make test`
+test: install
+	$(PY) -m pytest -q
+
+## Long checks: real model, multi-process runs
+test-slow: install-demo
+	$(PY) -m pytest -q -m slow
+
+## The main job: two agents learn the length-ratio task
+demo: install-demo
+	$(PY) examples/story-len-ratio.py
+
+lint: install
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check comlrl_trl tests examples
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,59 @@
+"""Shared test settings: offline, one thread, tiny models built in-process."""
+
+import os
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from comlrl_trl.testing import tiny_model_path  # noqa: E402
+from comlrl_trl.trainers.reinforce import MAGRPOConfig  # noqa: E402
+
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def qwen_path():
+    return tiny_model_path("qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_path():
+    return tiny_model_path("llama")
+
+
+@pytest.fixture
+def prompts_dataset():
+    return Dataset.from_dict({"prompt": [f"Write a story about item {i}:" for i in range(8)], "target": list(range(8))})
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """A fast MAGRPOConfig for tiny models; keyword arguments override the defaults."""
+
+    def make(config_cls=MAGRPOConfig, **overrides):
+        settings = dict(
+            output_dir=str(tmp_path / "out"),
+            num_agents=2,
+            num_generations=4,
+            max_new_tokens=8,
+            learning_rate=0.1,  # large, so that parameter changes are visible after a few steps
+            logging_steps=1,
+            gradient_checkpointing=False,
+            report_to="none",
+            num_train_epochs=1,
+            eval_interval=0,
+            seed=0,
+        )
+        settings.update(overrides)
+        return config_cls(**settings)
+
+    return make

@@ -1,0 +1,17 @@
+"""Helpers shared by the trainer tests."""
+
+import torch
+
+
+def length_ratio_reward(first, second, *, batch_items):
+    """Joint reward with variance inside every group: the second answer's length over the first's."""
+    return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def changed(before, model):
+    """Names of the trainable parameters that differ from the snapshot."""
+    return {name for name, p in model.named_parameters() if name in before and not torch.equal(before[name], p)}

@@ -1,0 +1,38 @@
+"""Two-agent MAGRPO under torchrun: every rank trains, and the agents' weights stay identical across ranks."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+
+from comlrl_trl.testing import tiny_model_path
+from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+
+def reward(first, second, *, batch_items):
+    return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
+
+
+def main(output_dir: str) -> None:
+    dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(8)]})
+    config = MAGRPOConfig(output_dir=output_dir, num_generations=4, max_new_tokens=6, learning_rate=0.05,
+                          logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
+                          eval_interval=0)
+    trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
+                            eval_dataset=dataset.select(range(2)), args=config)
+    before = [sum(p.sum().item() for p in model.parameters()) for model in trainer.agents]
+    trainer.train()
+    after = [sum(p.detach().double().sum().item() for p in model.parameters()) for model in trainer.agents]
+    metrics = trainer.evaluate(num_eval_samples=2)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, after)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"world": dist.get_world_size(), "before": before, "after": gathered,
+                                      "env_step": trainer.env_step, "eval": metrics,
+                                      "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team], "dist": str(trainer.accelerator.distributed_type)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,267 @@
+"""MAGRPOConfig and its variants: defaults, spec/TRL aliases, validation and CLI parsing (no models)."""
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+from transformers.utils import is_torch_bf16_gpu_available
+from trl import TrlParser
+
+from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
+from comlrl_trl.utils.reward_processor import RewardProcessors
+
+
+@pytest.fixture
+def out(tmp_path):
+    return str(tmp_path / "out")
+
+
+def config(out, cls=MAGRPOConfig, **kwargs):
+    return cls(output_dir=out, **kwargs)
+
+
+# ----- defaults -----
+
+
+def test_plain_config_runs_on_this_machine_without_precision_flags(out):
+    cfg = MAGRPOConfig(num_agents=2, output_dir=out)
+    assert cfg.num_agents == 2
+    assert cfg.fp16 is False
+    if not torch.cuda.is_available():
+        assert cfg.bf16 is False
+    else:
+        assert cfg.bf16 is is_torch_bf16_gpu_available()
+
+
+def test_use_cpu_never_turns_bf16_on(out):
+    assert config(out, use_cpu=True).bf16 is False
+
+
+def test_explicit_bf16_false_is_kept(out):
+    assert config(out, bf16=False).bf16 is False
+
+
+def test_defaults(out):
+    cfg = config(out)
+    assert cfg.learning_rate == 5e-6
+    assert cfg.agent_learning_rate == 5e-6
+    assert cfg.max_completion_length == 256
+    assert cfg.max_new_tokens == 256
+    assert cfg.num_generations == 4
+    assert cfg.per_device_train_batch_size == cfg.num_generations
+    assert cfg.shuffle_dataset is False
+    assert cfg.save_strategy == "no"
+    assert cfg.top_k == 0  # None -> 0 (disabled)
+    assert cfg.num_agents == 2
+    assert cfg.num_turns == 1
+    assert cfg.joint_mode == "align"
+    assert cfg.advantage_mode == "mean"
+    assert cfg.advantage_normalization is True
+    assert cfg.scale_rewards == "group"
+    assert cfg.logging_nan_inf_filter is False
+    assert cfg.eval_interval == 16
+    assert cfg.eval_num_samples == 4
+    assert cfg.eval_batch_size == 1
+
+
+def test_per_device_batch_follows_num_generations(out):
+    cfg = config(out, num_generations=6)
+    assert cfg.per_device_train_batch_size == 6
+    assert config(out, num_generations=2, per_device_train_batch_size=8).per_device_train_batch_size == 8
+
+
+@pytest.mark.parametrize("top_k", [None, 0])
+def test_top_k_disabled(out, top_k):
+    assert config(out, top_k=top_k).top_k == 0
+
+
+def test_top_k_value_kept(out):
+    assert config(out, top_k=7).top_k == 7
+
+
+# ----- spec / TRL aliases -----
+
+
+@pytest.mark.parametrize(
+    "spec, trl, value",
+    [("agent_learning_rate", "learning_rate", 3e-4), ("max_new_tokens", "max_completion_length", 17)],
+)
+def test_alias_set_through_either_name(out, spec, trl, value):
+    via_spec = config(out, **{spec: value})
+    assert getattr(via_spec, spec) == value and getattr(via_spec, trl) == value
+    via_trl = config(out, **{trl: value})
+    assert getattr(via_trl, spec) == value and getattr(via_trl, trl) == value
+
+
+@pytest.mark.parametrize(
+    "spec, trl, a, b",
+    [("agent_learning_rate", "learning_rate", 1e-4, 2e-4), ("max_new_tokens", "max_completion_length", 8, 16)],
+)
+def test_alias_conflict_names_both_fields(out, spec, trl, a, b):
+    with pytest.raises(ValueError) as info:
+        config(out, **{spec: a, trl: b})
+    assert spec in str(info.value) and trl in str(info.value)
+
+
+def test_alias_same_value_twice_is_fine(out):
+    cfg = config(out, agent_learning_rate=1e-4, learning_rate=1e-4, max_new_tokens=9, max_completion_length=9)
+    assert cfg.learning_rate == 1e-4 and cfg.max_completion_length == 9
+
+
+# ----- advantage normalisation / scale_rewards -----
+
+
+def test_advantage_normalization_false_disables_scaling(out):
+    cfg = config(out, advantage_normalization=False)
+    assert cfg.advantage_normalization is False
+    assert cfg.scale_rewards == "none"
+
+
+def test_advantage_normalization_true_keeps_group_scaling(out):
+    cfg = config(out, advantage_normalization=True)
+    assert cfg.advantage_normalization is True
+    assert cfg.scale_rewards == "group"
+
+
+@pytest.mark.parametrize("scale, expected", [(False, False), ("none", False), (True, True), ("batch", True)])
+def test_scale_rewards_drives_advantage_normalization(out, scale, expected):
+    cfg = config(out, scale_rewards=scale)
+    assert cfg.advantage_normalization is expected
+    assert cfg.scale_rewards == {False: "none", True: "group"}.get(scale, scale)
+
+
+@pytest.mark.parametrize("scale, norm", [("none", True), (False, True), ("batch", False)])
+def test_conflicting_normalization_raises(out, scale, norm):
+    with pytest.raises(ValueError, match="advantage_normalization") as info:
+        config(out, advantage_normalization=norm, scale_rewards=scale)
+    assert "scale_rewards" in str(info.value)
+
+
+def test_unknown_scale_rewards_raises(out):
+    with pytest.raises(ValueError, match="scale_rewards"):
+        config(out, scale_rewards="per-token")
+
+
+# ----- validation -----
+
+
+@pytest.mark.parametrize("k", [1, 0, None])
+def test_num_generations_below_two_raises(out, k):
+    with pytest.raises(ValueError, match="num_generations"):
+        config(out, num_generations=k)
+
+
+@pytest.mark.parametrize("name", ["joint_mode", "advantage_mode"])
+def test_unknown_choice_names_the_field(out, name):
+    with pytest.raises(ValueError, match=name):
+        config(out, **{name: "bogus"})
+
+
+@pytest.mark.parametrize("joint_mode", ["align", "cross"])
+@pytest.mark.parametrize("advantage_mode", ["mean", "raw", "max", "rloo"])
+def test_all_documented_choices_accepted(out, joint_mode, advantage_mode):
+    cfg = config(out, joint_mode=joint_mode, advantage_mode=advantage_mode)
+    assert (cfg.joint_mode, cfg.advantage_mode) == (joint_mode, advantage_mode)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("num_agents", 0),
+        ("num_agents", -1),
+        ("num_agents", 1.5),
+        ("num_turns", 0),
+        ("eval_num_samples", 0),
+        ("eval_interval", -1),
+        ("eval_batch_size", 0),
+        ("logging_steps", 0),
+    ],
+)
+def test_invalid_integer_fields_raise(out, name, value):
+    with pytest.raises(ValueError, match=name):
+        config(out, **{name: value})
+
+
+def test_eval_interval_zero_means_manual(out):
+    assert config(out, eval_interval=0).eval_interval == 0
+
+
+def test_single_agent_team_is_allowed(out):
+    assert config(out, num_agents=1).num_agents == 1
+
+
+def test_eval_strategy_steps_points_to_eval_interval(out):
+    with pytest.raises(ValueError, match="eval_interval"):
+        config(out, eval_strategy="steps", eval_steps=1)
+
+
+def test_eval_strategy_no_is_fine(out):
+    assert config(out, eval_strategy="no").eval_strategy == "no"
+
+
+# ----- variants -----
+
+
+@pytest.mark.parametrize(
+    "cls, mode", [(MAGRPOConfig, "mean"), (MAREINFORCEConfig, "raw"), (MARLOOConfig, "rloo"), (MAReMaxConfig, "max")]
+)
+def test_variant_presets_and_override(out, cls, mode):
+    assert config(out, cls).advantage_mode == mode
+    other = "max" if mode != "max" else "mean"
+    assert config(out, cls, advantage_mode=other).advantage_mode == other
+    assert issubclass(cls, MAGRPOConfig)
+
+
+def test_variant_still_validates(out):
+    with pytest.raises(ValueError, match="advantage_mode"):
+        config(out, MARLOOConfig, advantage_mode="median")
+
+
+# ----- command-line parsing -----
+
+
+def test_hf_argument_parser_round_trip(out):
+    (cfg,) = HfArgumentParser(MAGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", out, "--num_agents", "3", "--joint_mode", "cross", "--agent_learning_rate", "1e-4",
+         "--top_k", "5"]
+    )
+    assert isinstance(cfg, MAGRPOConfig)
+    assert cfg.num_agents == 3
+    assert cfg.joint_mode == "cross"
+    assert cfg.agent_learning_rate == 1e-4 and cfg.learning_rate == 1e-4
+    assert cfg.top_k == 5
+    assert cfg.max_completion_length == 256 and cfg.per_device_train_batch_size == 4
+    assert cfg.save_strategy == "no"
+
+
+def test_trl_parser_spec_fields(out):
+    (cfg,) = TrlParser(MAGRPOConfig).parse_args_and_config(
+        ["--output_dir", out, "--max_new_tokens", "12", "--advantage_normalization", "false",
+         "--advantage_mode", "rloo", "--eval_interval", "0"]
+    )
+    assert cfg.max_new_tokens == 12 and cfg.max_completion_length == 12
+    assert cfg.advantage_normalization is False and cfg.scale_rewards == "none"
+    assert cfg.advantage_mode == "rloo"
+    assert cfg.eval_interval == 0
+
+
+def test_parser_variant_default_and_conflict(out):
+    (cfg,) = HfArgumentParser(MAReMaxConfig).parse_args_into_dataclasses(["--output_dir", out])
+    assert cfg.advantage_mode == "max"
+    with pytest.raises(ValueError, match="learning_rate"):
+        HfArgumentParser(MAGRPOConfig).parse_args_into_dataclasses(
+            ["--output_dir", out, "--agent_learning_rate", "1e-4", "--learning_rate", "1e-3"]
+        )
+
+
+# ----- reward processors -----
+
+
+def test_reward_processors():
+    assert RewardProcessors.scale(factor=10.0)(0.5) == 5.0
+    assert RewardProcessors.scale(-2)(3.0) == -6.0
+    assert RewardProcessors.scale()(1.25) == 1.25
+    assert RewardProcessors.shift(value=-1.0)(0.5) == -0.5
+    assert RewardProcessors.shift(3)(2.0) == 5.0
+    assert RewardProcessors.shift()(1.25) == 1.25
+    combined = RewardProcessors.shift(1.0)(RewardProcessors.scale(2.0)(0.25))
+    assert combined == 1.5

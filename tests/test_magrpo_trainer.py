@@ -1,0 +1,237 @@
+"""MAGRPO training behaviour on tiny offline models: every agent learns, joint actions, LoRA, KL, saving."""
+
+import math
+
+import pytest
+import torch
+from helpers import changed, length_ratio_reward, snapshot
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from comlrl_trl.core.advantages import group_advantages
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer, MARLOOConfig, MARLOOTrainer
+
+
+def train_logs(trainer):
+    return [row for row in trainer.state.log_history if "agent_0/loss" in row]
+
+
+def test_every_agent_changes_and_metrics_are_logged(qwen_path, prompts_dataset, make_config):
+    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
+                            train_dataset=prompts_dataset, args=make_config())
+    assert len(trainer.agents) == 2 and len(trainer.tokenizers) == 2
+    assert trainer.agents[0] is not trainer.agents[1]
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+
+    for i, model in enumerate(trainer.agents):
+        assert changed(before[i], model) == set(before[i]), f"agent {i}: some parameters did not change"
+    # 8 items x K=4 aligned joint actions
+    assert trainer.env_step == 32
+    logs = train_logs(trainer)
+    assert [row["env_step"] for row in logs] == list(range(4, 33, 4))
+    last = logs[-1]
+    for key in ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss", "agent_1/loss",
+                "agent_0/grad_norm", "agent_1/grad_norm", "agent_1/reward", "agent_1/completions/mean_length"):
+        assert key in last and math.isfinite(last[key]), key
+    assert last["loss"] == pytest.approx(last["agent_0/loss"] + last["agent_1/loss"], abs=1e-6)
+
+
+def test_logging_steps_is_a_minimum_env_step_gap(qwen_path, prompts_dataset, make_config):
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(logging_steps=10))
+    trainer.train()
+    steps = [row["env_step"] for row in train_logs(trainer)]
+    assert steps == [12, 24]  # env_step grows by 4 per item; a log needs a gap of at least 10
+
+
+def test_reward_is_called_once_per_item_with_the_item(qwen_path, prompts_dataset, make_config):
+    calls = []
+
+    def reward(first, second, *, batch_items):
+        calls.append((len(first), len(second), batch_items))
+        return length_ratio_reward(first, second, batch_items=batch_items)
+
+    MAGRPOTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=prompts_dataset,
+                  args=make_config()).train()
+    assert len(calls) == 8
+    assert [c[2][0]["target"] for c in calls] == list(range(8))  # task order is kept by default
+    assert all(c[:2] == (4, 4) and len(c[2]) == 1 for c in calls)
+
+
+def test_cross_mode_scores_every_combination(qwen_path, prompts_dataset, make_config):
+    seen = []
+
+    def reward(first, second, third):  # no batch_items keyword: it is not passed
+        seen.append((list(first), list(second), list(third)))
+        return [float(len(a) + 2 * len(b) - len(c)) for a, b, c in zip(first, second, third)]
+
+    config = make_config(num_agents=3, joint_mode="cross", num_generations=2, max_steps=2)
+    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=3, reward_func=reward,
+                            train_dataset=prompts_dataset, args=config)
+    trainer.train()
+    assert len(seen) == 2 and trainer.env_step == 2 * 2**3
+    first, second, third = seen[0]
+    assert len(first) == 8
+    # product order (agent 0 varies slowest): j = 4*k0 + 2*k1 + k2
+    assert first[:4] == [first[0]] * 4 and third[0::2] == [third[0]] * 4
+
+
+def test_orchestrator_advantages_follow_the_mode(qwen_path, make_config):
+    config = make_config(advantage_normalization=False, max_steps=1)
+    trainer = MARLOOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward,
+                            train_dataset=_items(4), args=MARLOOConfig(**_as_dict(config)))
+    assert trainer.args.advantage_mode == "rloo" and trainer.args.scale_rewards == "none"
+    for model in trainer.agents:
+        model.train()
+    rows = [{"prompt": "Say something:"}] * 4
+    rollout = trainer.orchestrator.rollout(rows)
+    first, second = rollout.completions
+    rewards = torch.tensor(length_ratio_reward(first, second, batch_items=rows[:1]))
+    expected = group_advantages(rewards, 4, "rloo", "none")
+    for batch in rollout.agent_batches:
+        torch.testing.assert_close(batch["advantages"], expected)
+        # the loss never sees tokens after EOS: the mask covers exactly the generated ids
+        lengths = batch["completion_mask"].sum(dim=1)
+        assert torch.all(lengths <= batch["completion_ids"].shape[1])
+        pad = trainer.tokenizers[0].pad_token_id
+        for ids, mask in zip(batch["completion_ids"], batch["completion_mask"]):
+            assert torch.all(ids[mask == 0] == pad)
+
+
+def test_lora_trains_only_adapters_and_logs_reference_kl(qwen_path, prompts_dataset, make_config):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(beta=0.1, max_steps=4), peft_config=lora)
+    before = [{n: p.detach().clone() for n, p in model.named_parameters()} for model in trainer.agents]
+    trainer.train()
+    for i, model in enumerate(trainer.agents):
+        moved = {n for n, p in model.named_parameters() if not torch.equal(before[i][n], p)}
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable and all("lora_" in n for n in trainable)
+        assert moved == trainable, f"agent {i}"
+    last = train_logs(trainer)[-1]
+    assert last["turn_1/reference_kl_penalty_mean"] == pytest.approx(0.1 * last["turn_1/reference_kl_mean"])
+    assert last["turn_1/reference_kl_mean"] > 0
+
+
+def test_full_finetune_with_reference_model(qwen_path, prompts_dataset, make_config):
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(beta=0.05, max_steps=3))
+    assert all(agent.ref_model is not None for agent in trainer._team)
+    trainer.train()
+    assert "turn_1/reference_kl_mean" in train_logs(trainer)[-1]
+
+
+def test_heterogeneous_agents_with_their_own_tokenizers(qwen_path, llama_path, prompts_dataset, make_config):
+    trainer = MAGRPOTrainer(agents=[qwen_path, llama_path], reward_func=length_ratio_reward,
+                            train_dataset=prompts_dataset, args=make_config(max_steps=3))
+    assert type(trainer.agents[0]).__name__ == "Qwen2ForCausalLM"
+    assert type(trainer.agents[1]).__name__ == "LlamaForCausalLM"
+    assert len(trainer.tokenizers[0]) != len(trainer.tokenizers[1])
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert all(changed(before[i], model) for i, model in enumerate(trainer.agents))
+
+
+def test_model_objects_with_tokenizer_list(qwen_path, llama_path, prompts_dataset, make_config):
+    models = [AutoModelForCausalLM.from_pretrained(p) for p in (qwen_path, llama_path)]
+    tokenizers = [AutoTokenizer.from_pretrained(p) for p in (qwen_path, llama_path)]
+    trainer = MAGRPOTrainer(agents=models, tokenizer=tokenizers, reward_func=length_ratio_reward,
+                            train_dataset=prompts_dataset, args=make_config(max_steps=2))
+    assert trainer.agents[0] is models[0] and trainer.agents[1] is models[1]
+    trainer.train()
+
+
+def test_save_model_and_continue_training(qwen_path, prompts_dataset, make_config, tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(max_steps=2), peft_config=[lora, None])
+    trainer.train()
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    assert (out / "agent_0" / "adapter_config.json").is_file()  # LoRA agent: the adapter only
+    assert (out / "agent_1" / "model.safetensors").is_file()  # full agent: the weights
+    for i in range(2):
+        assert (out / f"agent_{i}" / "tokenizer.json").is_file()
+        assert not (out / f"agent_{i}" / "optimizer.pt").exists()  # an export, not a checkpoint
+    trained = [snapshot(model) for model in trainer.agents]
+
+    continued = MAGRPOTrainer(agents=[str(out / "agent_0"), str(out / "agent_1")], num_agents=2,
+                              reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                              args=make_config(max_steps=2))
+    for i, model in enumerate(continued.agents):  # the trained weights come back
+        reloaded = dict(model.named_parameters())
+        for name, value in trained[i].items():
+            assert torch.equal(reloaded[name], value), name
+    before = [snapshot(model) for model in continued.agents]
+    continued.train()
+    assert all(changed(before[i], model) for i, model in enumerate(continued.agents))
+
+
+def test_eval_schedule_counts_training_items(qwen_path, prompts_dataset, make_config):
+    eval_dataset = _items(3)
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            eval_dataset=eval_dataset, args=make_config(eval_interval=3, num_train_epochs=2))
+    trainer.train()
+    evals = [row for row in trainer.state.log_history if "eval/turn_1/reward_mean" in row]
+    # before items 0, 3 and 6 of each of the 2 epochs
+    assert [row["env_step"] for row in evals] == [0, 12, 24, 32, 44, 56]
+    metrics = trainer.evaluate(num_eval_samples=2)
+    assert set(metrics) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
+
+
+def test_evaluate_without_eval_dataset_is_empty(qwen_path, prompts_dataset, make_config):
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config())
+    assert trainer.evaluate() == {}
+
+
+def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
+    """With N=1, MAGRPO is GRPO: same seed and data give the same rewards, losses and weights as TRL."""
+    dataset = _items(6)
+    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=0.05,
+                  logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1, seed=3,
+                  shuffle_dataset=False, save_strategy="no", bf16=False)
+
+    def trl_reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    reference = GRPOTrainer(model=qwen_path, reward_funcs=trl_reward, train_dataset=dataset,
+                            args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common))
+    reference.train()
+    ours = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=lambda c: [float(len(x)) for x in c],
+                         train_dataset=dataset,
+                         args=_magrpo_config(tmp_path / "ours", num_agents=1, eval_interval=0, **common))
+    ours.train()
+
+    trl_logs = [row for row in reference.state.log_history if "reward" in row]
+    our_logs = train_logs(ours)
+    assert len(trl_logs) == len(our_logs) == 6
+    for theirs, mine in zip(trl_logs, our_logs):
+        assert mine["agent_0/reward"] == pytest.approx(theirs["reward"], abs=1e-6)
+        assert mine["agent_0/loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+        assert mine["agent_0/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    for (name, theirs), mine in zip(reference.model.named_parameters(), ours.agents[0].parameters()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+
+
+def _items(n):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"Question {i}: say a word" for i in range(n)]})
+
+
+def _magrpo_config(output_dir, **kwargs):
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig
+
+    return MAGRPOConfig(output_dir=str(output_dir), **kwargs)
+
+
+def _as_dict(config):
+    keys = ("output_dir", "num_generations", "max_new_tokens", "learning_rate", "logging_steps",
+            "gradient_checkpointing", "report_to", "num_train_epochs", "eval_interval", "seed",
+            "advantage_normalization", "max_steps")
+    return {key: getattr(config, key) for key in keys}
+
