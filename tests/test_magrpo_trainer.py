@@ -235,3 +235,23 @@ def _as_dict(config):
             "advantage_normalization", "max_steps")
     return {key: getattr(config, key) for key in keys}
 
+
+
+def test_iterable_datasets_train_and_evaluate(qwen_path, prompts_dataset, make_config):
+    seen = []
+
+    def reward(first, second, *, batch_items):
+        seen.append(batch_items[0]["target"])
+        return length_ratio_reward(first, second, batch_items=batch_items)
+
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=reward,
+                            train_dataset=prompts_dataset.to_iterable_dataset(),
+                            eval_dataset=prompts_dataset.select(range(3)).to_iterable_dataset(),
+                            args=make_config(max_steps=5))
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert seen == [0, 1, 2, 3, 4] and trainer.env_step == 20
+    assert all(changed(before[i], model) for i, model in enumerate(trainer.agents))
+    seen.clear()
+    assert set(trainer.evaluate(num_eval_samples=2)) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
+    assert seen == [0, 1]

@@ -105,7 +105,6 @@ def test_args_must_be_a_magrpo_config(build, qwen_path, tmp_path):
         build(agent_model=None, agents=[qwen_path, qwen_path], args=args)
 
 
-@pytest.mark.xfail(raises=AttributeError, reason="_resolve_agent_sources reads args.num_agents before the type check")
 def test_args_must_be_a_magrpo_config_with_agent_model(build, tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(TypeError, match="MAGRPOConfig"):

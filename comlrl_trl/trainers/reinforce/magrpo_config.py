@@ -156,9 +156,9 @@ class MAGRPOConfig(GRPOConfig):
     def _validate_multi_agent_fields(self):
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if not isinstance(self.eval_interval, int) or self.eval_interval < 0:
+        if isinstance(self.eval_interval, bool) or not isinstance(self.eval_interval, int) or self.eval_interval < 0:
             raise ValueError(f"eval_interval must be an integer >= 0 (0: manual evaluation only), got {self.eval_interval!r}.")
         if self.logging_steps < 1:
             raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")

@@ -110,12 +110,12 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         peft_config: Any = None,
         callbacks: list[TrainerCallback] | None = None,
     ):
+        if args is not None and not isinstance(args, MAGRPOConfig):
+            raise TypeError(f"args must be a MAGRPOConfig (or a subclass), got {type(args).__name__}.")
         sources = _resolve_agent_sources(agent_model, agents, num_agents, args)
         n = len(sources)
         if args is None:
             args = self.default_config_cls(num_agents=n)
-        if not isinstance(args, MAGRPOConfig):
-            raise TypeError(f"args must be a MAGRPOConfig (or a subclass), got {type(args).__name__}.")
         if args.num_agents != n:
             raise ValueError(
                 f"{n} agents were given but args.num_agents={args.num_agents}; set {type(args).__name__}"
@@ -511,7 +511,7 @@ def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger
         )
     if args.save_strategy != "no":
         raise ValueError(
-            f"save_strategy={args.save_strategy!r}: multi-agent checkpoints are not available in this release; "
+            f"save_strategy={str(args.save_strategy.value)!r}: multi-agent checkpoints are not available in this release; "
             "keep save_strategy='no' and export the agents with trainer.save_model(dir)."
         )
     if args.log_completions:
