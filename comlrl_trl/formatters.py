@@ -3,6 +3,8 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .joint_reward import accepts_keyword
+
 
 Formatter = Callable[[dict[str, Any]], Any]
 
@@ -36,9 +38,27 @@ def build_formatters(formatters: Formatter | Sequence[Formatter] | None, num_age
     raise TypeError(f"formatters must be None, a callable or a list of callables, got {type(formatters).__name__}.")
 
 
-def format_prompt(formatter: Formatter, item: dict[str, Any], agent_idx: int) -> Any:
-    """Apply a formatter and check it produced a prompt: a string or a list of chat messages."""
-    prompt = formatter(item)
+def format_prompt(
+    formatter: Formatter,
+    item: dict[str, Any],
+    agent_idx: int,
+    external_prompt: str | None = None,
+    passthrough: bool = False,
+) -> Any:
+    """One agent's prompt for a task item: a string or a list of chat messages.
+
+    At the first turn the formatter sees the item. At later turns `external_prompt` (from the external
+    transition) is used verbatim with `passthrough`, else given to formatters that accept `external_prompts`,
+    else it replaces the item's `prompt` field before formatting.
+    """
+    if external_prompt is None:
+        prompt = formatter(item)
+    elif passthrough:
+        prompt = external_prompt
+    elif accepts_keyword(formatter, "external_prompts"):
+        prompt = formatter(item, external_prompts=external_prompt)
+    else:
+        prompt = formatter({**item, "prompt": external_prompt})
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
         return prompt
     raise TypeError(

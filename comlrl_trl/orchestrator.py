@@ -1,13 +1,20 @@
 """The joint-rollout orchestrator: one training rollout for a whole team of agent trainers.
 
-One rollout, for the local generation batch (each task item repeated K = num_generations times):
+One rollout of the local generation batch (every task item repeated K = num_generations times) is a tree with
+one level per turn:
 
-1. every agent formats its prompts and generates, in one batched TRL `_generate` call per agent;
-2. completions form joint actions (`align`: K per item, `cross`: K^N), and the joint reward function is called
-   once per task item;
-3. every completion gets a return (its joint reward; in `cross` mode the mean over the joint actions it takes part
-   in), advantages are group-relative per agent (`core.advantages`);
-4. TRL scores every agent with its own rollout and returns injected, and the advantages are set on its batch.
+1. every node (one task item along one branch) asks each agent for K completions; all nodes of a turn go
+   through one batched TRL `_generate` call per agent;
+2. the completions of a node form its joint actions (`align`: K, `cross`: K^N) and the joint reward function
+   is called once per node;
+3. before the last turn, every joint action of a node is expanded (unless the node's mean reward exceeds
+   `early_termination_threshold`): the external transition turns it into the next prompt of every agent, which
+   makes a child node;
+4. returns are computed bottom-up with the discount (`core.returns`); a completion's return is the mean return
+   of the joint actions it takes part in, and its advantage is group-relative among the K sibling completions
+   of the same agent at the same node (`core.advantages`), scaled by the turn's gradient weight;
+5. TRL scores every agent's rows of every turn with the rollout and returns handed in, and the turns are
+   joined into one batch per agent.
 """
 
 from dataclasses import dataclass, field
@@ -15,11 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
+from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
+from .core.returns import suffix_returns, tree_returns
 from .formatters import Formatter, format_prompt
-from .joint_reward import JointReward
+from .joint_reward import JointReward, accepts_keyword
 
 
 if TYPE_CHECKING:
@@ -27,13 +37,28 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Node:
+    """One turn of one task item along one branch of the rollout tree."""
+
+    item: dict[str, Any]
+    item_label: str
+    prompts: list[Any]  # the prompt each agent sees at this node
+    prompt_history: list[list[Any]]  # per agent, the prompts of the earlier turns of this branch
+    response_history: list[list[str]]  # per agent, the responses of the earlier turns of this branch
+    rewards: list[float] = field(default_factory=list)  # per joint action
+    children: list[int | None] = field(default_factory=list)  # per joint action: child index at the next turn
+
+
+@dataclass
 class TeamRollout:
     """What one training rollout produced."""
 
-    agent_batches: list[dict[str, Any]]  # one scored TRL batch per agent, local rows
-    item_rewards: list[float]  # mean joint reward of every local task item
+    agent_batches: list[dict[str, Any]]  # one scored TRL batch per agent (all turns), local rows
+    turn_rewards: list[list[float]]  # per turn, the mean joint reward of every local node
+    turn_returns: list[list[float]]  # per turn, the mean return of every local node
     env_steps: int  # joint actions scored, all processes together
-    completions: list[list[str]] = field(default_factory=list)  # [agent][local row]
+    completions: list[list[str]] = field(default_factory=list)  # first turn, [agent][local row]
+    turn_reference_kl: list[float] = field(default_factory=list)  # per turn, when beta > 0: mean token KL
 
 
 class JointRolloutOrchestrator:
@@ -44,74 +69,186 @@ class JointRolloutOrchestrator:
         agents: list["AgentGRPOTrainer"],
         formatters: list[Formatter],
         joint_reward: JointReward,
-        *,
-        num_generations: int,
-        joint_mode: str,
-        advantage_mode: str,
-        scale_rewards: str,
+        args,
+        external_transition=None,
     ):
         self.agents = agents
         self.formatters = formatters
         self.joint_reward = joint_reward
-        self.num_generations = num_generations
-        self.joint_mode = joint_mode
-        self.advantage_mode = advantage_mode
-        self.scale_rewards = scale_rewards
-        self.joint_indices = joint_action_indices(len(agents), num_generations, joint_mode)
+        self.args = args
+        self.external_transition = external_transition
+        self.pass_batch_item = external_transition is not None and accepts_keyword(external_transition, "batch_item")
+        self.joint_indices = joint_action_indices(len(agents), args.num_generations, args.joint_mode)
 
     @property
     def accelerator(self):
         return self.agents[0].accelerator
 
+    # ----- training -----
+
     def rollout(self, rows: list[dict[str, Any]], first_item_index: int = 0) -> TeamRollout:
         """Run one training rollout over the local rows (K consecutive copies of every task item)."""
-        k = self.num_generations
+        k = self.args.num_generations
         if len(rows) % k != 0:
             raise ValueError(f"A generation batch of {len(rows)} rows does not hold whole groups of {k} generations.")
-        prompts = self.format_prompts(rows)
-        rollouts = [agent._generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts)]
-        completions = [[completion_text(c) for c in rollout[3]] for rollout in rollouts]
+        nodes = [self._root(item, f"task item {first_item_index + g}") for g, item in enumerate(rows[::k])]
+        turns = []  # per turn: (nodes, rollouts per agent, texts per agent)
+        for turn in range(self.args.num_turns):
+            prompts = [[node.prompts[a] for node in nodes for _ in range(k)] for a in range(len(self.agents))]
+            rollouts = [agent._generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts)]
+            texts = [[completion_text(c) for c in rollout[3]] for rollout in rollouts]
+            next_nodes = self._score_and_expand(nodes, texts, turn)
+            turns.append((nodes, prompts, rollouts, texts))
+            if not next_nodes:
+                break
+            nodes = next_nodes
 
-        returns = [[] for _ in self.agents]  # [agent][local row]
-        item_rewards = []
-        for group, start in enumerate(range(0, len(rows), k)):
-            joint = [[agent_completions[start + idx[a]] for idx in self.joint_indices]
-                     for a, agent_completions in enumerate(completions)]
-            label = f"task item {first_item_index + group} of this rollout"
-            rewards = self.joint_reward(joint, rows[start], label)
-            item_rewards.append(sum(rewards) / len(rewards))
-            for a, agent_returns in enumerate(completion_returns(rewards, self.joint_indices, len(self.agents), k)):
-                returns[a].extend(agent_returns)
+        returns = tree_returns([[n.rewards for n in nodes] for nodes, *_ in turns],
+                               [[n.children for n in nodes] for nodes, *_ in turns], self.args.discount)
+        kl_stats = torch.zeros(len(turns), 2, device=self.accelerator.device)  # per turn: KL sum, token count
+        batches = [self._score_agent(a, turns, returns, kl_stats) for a in range(len(self.agents))]
+        kl_stats = self.accelerator.reduce(kl_stats, reduction="sum")
+        scored = self.accelerator.gather(torch.tensor([sum(len(n.rewards) for t in turns for n in t[0])],
+                                                      device=self.accelerator.device))
+        return TeamRollout(
+            agent_batches=batches,
+            turn_rewards=[[sum(n.rewards) / len(n.rewards) for n in t[0]] for t in turns],
+            turn_returns=[[sum(r) / len(r) for r in turn_returns] for turn_returns in returns],
+            env_steps=int(scored.sum().item()),
+            completions=turns[0][3],
+            turn_reference_kl=(kl_stats[:, 0] / kl_stats[:, 1].clamp(min=1)).tolist() if self.args.beta else [],
+        )
 
-        batches = [self._score_agent(a, rows, prompts[a], rollouts[a], returns[a]) for a in range(len(self.agents))]
-        num_items = self.accelerator.gather(torch.tensor([len(item_rewards)], device=self.accelerator.device))
-        env_steps = int(num_items.sum().item()) * len(self.joint_indices)
-        return TeamRollout(batches, item_rewards, env_steps, completions)
+    def _root(self, item: dict[str, Any], label: str) -> Node:
+        prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
+        return Node(item, label, prompts, [[] for _ in self.agents], [[] for _ in self.agents])
 
-    def format_prompts(self, rows: list[dict[str, Any]]) -> list[list[Any]]:
-        """`[agent][row]` prompts, each agent with its own formatter."""
-        return [[format_prompt(formatter, row, a) for row in rows] for a, formatter in enumerate(self.formatters)]
+    def _score_and_expand(self, nodes: list[Node], texts: list[list[str]], turn: int) -> list[Node]:
+        """Score every node's joint actions; return the child nodes of the next turn (none after the last)."""
+        k = self.args.num_generations
+        threshold = self.args.early_termination_threshold
+        next_nodes: list[Node] = []
+        for n, node in enumerate(nodes):
+            start = n * k
+            joint = [[agent_texts[start + idx[a]] for idx in self.joint_indices] for a, agent_texts in enumerate(texts)]
+            node.rewards = self.joint_reward(joint, node.item, f"{node.item_label}, turn {turn + 1}")
+            expand = turn + 1 < self.args.num_turns and not (
+                threshold is not None and sum(node.rewards) / len(node.rewards) > threshold
+            )
+            for j in range(len(self.joint_indices)):
+                if not expand:
+                    node.children.append(None)
+                    continue
+                node.children.append(len(next_nodes))
+                next_nodes.append(self._child(node, [agent_joint[j] for agent_joint in joint], turn))
+        return next_nodes
 
-    def _score_agent(self, a: int, rows, prompts, rollout, local_returns: list[float]) -> dict[str, Any]:
-        """Let TRL score agent `a` on its rollout with the injected returns, then set our advantages."""
+    def _child(self, node: Node, responses: list[str], turn: int) -> Node:
+        prompt_history = [history + [prompt] for history, prompt in zip(node.prompt_history, node.prompts)]
+        response_history = [history + [text] for history, text in zip(node.response_history, responses)]
+        external = self.transition(node.item, responses, prompt_history, response_history,
+                                   f"{node.item_label}, after turn {turn + 1}")
+        prompts = [format_prompt(formatter, node.item, a, external[a], self.args.external_prompt_passthrough)
+                   for a, formatter in enumerate(self.formatters)]
+        return Node(node.item, node.item_label, prompts, prompt_history, response_history)
+
+    def transition(self, item, responses, prompt_history, response_history, label) -> list[str]:
+        """Call the external transition for one joint action and check it returns one prompt per agent."""
+        kwargs = {"batch_item": item} if self.pass_batch_item else {}
+        try:
+            prompts = self.external_transition(
+                prompt=item.get("prompt", ""), agent_completions=list(responses), num_agents=len(self.agents),
+                prompt_history_per_agent=prompt_history, response_history_per_agent=response_history, **kwargs,
+            )
+        except Exception as error:
+            error.add_note(f"comlrl_trl: raised by external_transition on {label}")
+            raise
+        if not isinstance(prompts, (list, tuple)) or len(prompts) != len(self.agents):
+            raise ValueError(
+                f"external_transition must return a list of {len(self.agents)} prompts (one per agent) on {label}; "
+                f"got {type(prompts).__name__}" + (f" of length {len(prompts)}" if isinstance(prompts, (list, tuple)) else "")
+            )
+        for a, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(f"external_transition returned {type(prompt).__name__} for agent {a} on {label}; "
+                                "next-turn prompts must be strings.")
+        return list(prompts)
+
+    def _score_agent(self, a: int, turns, returns, kl_stats: torch.Tensor) -> dict[str, Any]:
+        """Let TRL score agent `a` turn by turn with the injected returns, set our advantages, join the turns."""
         agent = self.agents[a]
+        weights = self.args.turn_gradient_weights
+        batches = []
+        for turn, (nodes, prompts, rollouts, _) in enumerate(turns):
+            local_returns = []
+            for node, node_returns in zip(nodes, returns[turn]):
+                local_returns.extend(completion_returns(node_returns, self.joint_indices, len(self.agents),
+                                                        self.args.num_generations)[a])
+            rows = [{**node.item, "prompt": prompt}
+                    for node, prompt in zip((n for n in nodes for _ in range(self.args.num_generations)), prompts[a])]
+            batch = self._score_turn(agent, rows, rollouts[a], local_returns)
+            if "ref_per_token_logps" in batch:
+                kl_stats[turn] += reference_kl_stats(agent, batch)
+            if weights is not None and weights[turn] != 1.0:
+                batch["advantages"] = batch["advantages"] * weights[turn]
+            batches.append(batch)
+        return concat_scored_batches(batches, agent.processing_class.pad_token_id)
+
+    def _score_turn(self, agent, rows, rollout, local_returns: list[float]) -> dict[str, Any]:
         device = self.accelerator.device
         global_returns = self.accelerator.gather(torch.tensor(local_returns, dtype=torch.float32, device=device))
-        advantages = group_advantages(global_returns, self.num_generations, self.advantage_mode, self.scale_rewards)
+        advantages = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
+                                      self.args.scale_rewards)
         process = self.accelerator.process_index
         local = slice(process * len(rows), (process + 1) * len(rows))
         agent.inject(rollout, global_returns.unsqueeze(1))
-        agent_rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
-        batch = GRPOTrainer._generate_and_score_completions(agent, agent_rows)
+        batch = GRPOTrainer._generate_and_score_completions(agent, rows)
         batch["advantages"] = advantages[local].to(batch["advantages"].dtype)
         return batch
 
+    # ----- evaluation -----
+
     @torch.no_grad()
-    def sample(self, items: list[dict[str, Any]]) -> list[list[str]]:
-        """One completion per agent per item (evaluation): `[agent][item]` texts."""
-        prompts = self.format_prompts(items)
-        return [[completion_text(c) for c in agent._generate(agent_prompts)[3]]
-                for agent, agent_prompts in zip(self.agents, prompts)]
+    def evaluate_path(self, items: list[dict[str, Any]], labels: list[str]):
+        """One path per item: one response per agent per turn.
+
+        Returns `(completions[agent][item][turn], rewards[item][turn], returns[item][turn])`, the returns being
+        the discounted suffix returns of each path.
+        """
+        nodes = [self._root(item, label) for item, label in zip(items, labels)]
+        completions = [[[] for _ in items] for _ in self.agents]
+        rewards = [[] for _ in items]
+        for turn in range(self.args.num_turns):
+            texts = self.sample([node.prompts for node in nodes])
+            for i, node in enumerate(nodes):
+                responses = [agent_texts[i] for agent_texts in texts]
+                for a, text in enumerate(responses):
+                    completions[a][i].append(text)
+                label = f"{node.item_label}, turn {turn + 1}"
+                rewards[i].append(self.joint_reward([[text] for text in responses], node.item, label)[0])
+                if turn + 1 < self.args.num_turns:
+                    nodes[i] = self._child(node, responses, turn)
+        returns = [suffix_returns(item_rewards, self.args.discount) for item_rewards in rewards]
+        return completions, rewards, returns
+
+    def sample(self, node_prompts: list[list[Any]]) -> list[list[str]]:
+        """One completion per agent for every node: `node_prompts[node][agent]` -> texts `[agent][node]`."""
+        return [[completion_text(c) for c in agent._generate([prompts[a] for prompts in node_prompts])[3]]
+                for a, agent in enumerate(self.agents)]
+
+
+@torch.no_grad()
+def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
+    """(sum, count) over completion tokens of TRL's k3 estimate of KL(policy || reference) at rollout time."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs):
+        logps, _, _ = agent._get_per_token_logps_and_entropies(
+            agent.model, input_ids, attention_mask, batch["completion_ids"].size(1))
+    delta = batch["ref_per_token_logps"] - logps
+    per_token = torch.exp(delta) - delta - 1  # k3 estimator, as in TRL's loss
+    mask = batch["completion_mask"].to(per_token.dtype)
+    return torch.stack([(per_token * mask).sum(), mask.sum()])
 
 
 def completion_text(completion: Any) -> str:

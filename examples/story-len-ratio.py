@@ -1,8 +1,7 @@
-"""Length-ratio training with MAGRPO: the tutorial of the CoMLRL docs ("长度比训练", examples/story-len-ratio.py).
+"""Length-ratio training with MAGRPO: the CoMLRL docs tutorial "长度比训练" (examples/story-len-ratio.py).
 
-Two agents receive the same creative prompt and generate independently; the second agent does not see the first
-one's response. The shared reward is highest when the second response has 2-3 times as many characters as the
-first. It does not judge story quality or semantic cooperation.
+Two agents get the same prompt and generate independently; the shared reward is highest when the second response
+has 2-3 times as many characters as the first. It does not judge story quality or semantic cooperation.
 
     python examples/story-len-ratio.py                      # tiny offline model, runs on a CPU
     python examples/story-len-ratio.py --model Qwen/Qwen2.5-0.5B --wandb
@@ -28,12 +27,8 @@ def proper_length_ratio_reward(completions1, completions2, target_min=2.0, targe
             rewards.append(0.0)
             continue
         ratio = len2 / len1
-        if target_min <= ratio <= target_max:
-            reward = 1.0
-        else:
-            distance = target_min - ratio if ratio < target_min else ratio - target_max
-            reward = math.exp(-distance)
-        rewards.append(float(reward))
+        distance = max(target_min - ratio, ratio - target_max, 0.0)  # 0 inside [target_min, target_max]
+        rewards.append(float(math.exp(-distance)))
     return rewards
 
 
@@ -87,10 +82,8 @@ def main():
         num_turns=1,
         max_new_tokens=args.max_new_tokens,
     )
-    wandb_config = None
-    if args.wandb:
-        wandb_config = {"project": args.wandb_project, "entity": args.wandb_entity, "name": "story-len-ratio",
-                        "tags": ["length-ratio", "magrpo"], "config_sections": {"dataset": {"name": "story-prompts"}}}
+    wandb_config = {"project": args.wandb_project, "entity": args.wandb_entity, "name": "story-len-ratio",
+                    "tags": ["length-ratio", "magrpo"]} if args.wandb else None  # None: W&B disabled
 
     configured_reward_func = partial(proper_length_ratio_reward, target_min=2, target_max=3)
     trainer = MAGRPOTrainer(

@@ -144,9 +144,9 @@ def test_multi_turn_without_external_transition(build, make_config):
         build(args=make_config(num_turns=2))
 
 
-def test_multi_turn_with_external_transition_not_available_yet(build, make_config):
-    with pytest.raises(NotImplementedError, match="num_turns"):
-        build(args=make_config(num_turns=2), external_transition=lambda *a, **k: None)
+def test_external_transition_must_be_callable(build, make_config):
+    with pytest.raises(TypeError, match="external_transition must be a callable"):
+        build(args=make_config(num_turns=2), external_transition="not a function")
 
 
 @pytest.mark.parametrize("which", ["eval_logger", "eval_aggregator"])

@@ -7,6 +7,8 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
+from ...core.returns import joint_actions_per_item
+
 
 # Defaults shared by the spec fields and their TRL twins. Each pair may be set through either name.
 _DEFAULT_LEARNING_RATE = 5e-6
@@ -28,12 +30,26 @@ class MAGRPOConfig(GRPOConfig):
         num_agents (`int`, *optional*, defaults to `2`):
             Number of cooperating agents. Must match the agents given to the trainer.
         num_turns (`int`, *optional*, defaults to `1`):
-            Turns per episode. Turns after the first need an `external_transition` (multi-turn support is not in
-            this release: only `1` is accepted by the trainer).
+            Turns per episode. Turns after the first need an `external_transition`, which turns every joint action
+            into the agents' next prompts; the rollout is then a tree (see `max_joint_actions_per_item`).
         joint_mode (`str`, *optional*, defaults to `"align"`):
             How the agents' completions form joint actions. `"align"` pairs the k-th completion of every agent
             (K joint actions per task item); `"cross"` scores the Cartesian product (K^N joint actions), and a
             completion's return is then the mean of the returns of the joint actions it takes part in.
+
+        discount (`float`, *optional*, defaults to `1.0`):
+            Gamma in [0, 1]: the return of a joint action is its reward plus gamma times the mean return of its
+            child node.
+        early_termination_threshold (`float` or `None`, *optional*, defaults to `None`):
+            When set, a node whose mean joint reward exceeds it is not expanded into further turns (its joint
+            actions are leaves). `None` always expands, so every branch runs `num_turns` turns.
+        external_prompt_passthrough (`bool`, *optional*, defaults to `False`):
+            Use the transition's prompts verbatim at later turns instead of passing them through the formatters.
+        turn_gradient_weights (`list[float]` or `None`, *optional*, defaults to `None`):
+            One non-negative weight per turn, scaling that turn's policy-gradient term (default: all 1).
+        max_joint_actions_per_item (`int`, *optional*, defaults to `4096`):
+            Upper bound on the joint actions one task item may need (J + J^2 + ... + J^T with J = K in `align`
+            and K^N in `cross`); a configuration above it is refused, to stop accidental tree explosions.
 
         > Parameters that control generation (spec names)
 
@@ -85,6 +101,19 @@ class MAGRPOConfig(GRPOConfig):
     joint_mode: Literal["align", "cross"] = field(
         default="align",
         metadata={"help": "Joint actions: 'align' (k-th with k-th, K per item) or 'cross' (all K^N combinations)."},
+    )
+    discount: float = field(default=1.0, metadata={"help": "Gamma in [0, 1] for multi-turn returns."})
+    early_termination_threshold: float | None = field(
+        default=None, metadata={"help": "Do not expand a node whose mean reward exceeds this; None: always expand."}
+    )
+    external_prompt_passthrough: bool = field(
+        default=False, metadata={"help": "Use the transition's prompts verbatim at later turns."}
+    )
+    turn_gradient_weights: list[float] | None = field(
+        default=None, metadata={"help": "One non-negative weight per turn scaling its loss; None: all 1."}
+    )
+    max_joint_actions_per_item: int = field(
+        default=4096, metadata={"help": "Refuse configurations whose rollout tree needs more joint actions per item."}
     )
     advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(
         default="mean", metadata={"help": "Group baseline: 'mean', 'raw', 'max' or 'rloo'."}
@@ -164,10 +193,31 @@ class MAGRPOConfig(GRPOConfig):
             raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
         _check_choice("joint_mode", self.joint_mode, ("align", "cross"))
         _check_choice("advantage_mode", self.advantage_mode, ("mean", "raw", "max", "rloo"))
+        self._validate_turns()
         if self.eval_strategy not in ("no", None) and str(self.eval_strategy) != "IntervalStrategy.NO":
             raise ValueError(
                 f"eval_strategy={self.eval_strategy!r} is not used by multi-agent trainers: evaluation follows "
                 "eval_interval (task items). Leave eval_strategy='no' and set eval_interval instead."
+            )
+
+    def _validate_turns(self):
+        if not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {self.discount}.")
+        if self.turn_gradient_weights is not None:
+            weights = list(self.turn_gradient_weights)
+            if len(weights) != self.num_turns or any(w < 0 for w in weights):
+                raise ValueError(
+                    f"turn_gradient_weights must hold num_turns={self.num_turns} non-negative weights, got {weights}."
+                )
+            self.turn_gradient_weights = [float(w) for w in weights]
+        per_node = self.num_generations if self.joint_mode == "align" else self.num_generations**self.num_agents
+        needed = joint_actions_per_item(per_node, self.num_turns)
+        if needed > self.max_joint_actions_per_item:
+            raise ValueError(
+                f"One task item would need {needed} joint actions (J + J^2 + ... + J^T with J={per_node} joint "
+                f"actions per node in {self.joint_mode!r} mode and T={self.num_turns} turns), above "
+                f"max_joint_actions_per_item={self.max_joint_actions_per_item}. Use fewer turns or generations, "
+                "joint_mode='align', early termination, or raise max_joint_actions_per_item deliberately."
             )
 
 

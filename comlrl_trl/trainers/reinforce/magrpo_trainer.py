@@ -65,7 +65,10 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         args ([`MAGRPOConfig`], *optional*):
             Configuration; defaults to the trainer's config class with `num_agents` set.
         external_transition (`Callable`, *optional*):
-            Multi-turn environment step (needed for `num_turns > 1`; multi-turn is not in this release).
+            Needed for `num_turns > 1`. Called once per joint action to expand, with keywords `prompt` (the
+            item's prompt), `agent_completions` (one string per agent), `num_agents`,
+            `prompt_history_per_agent`, `response_history_per_agent` (this branch, including the turn that just
+            ended) and, if it accepts it, `batch_item`; returns one next-turn prompt (string) per agent.
         wandb_config (`dict`, *optional*):
             W&B run settings (`project`, `entity`, `name`/`run_name`, `tags`, `dir`, `config_sections`, ...).
             `None` disables W&B.
@@ -154,10 +157,12 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self.eval_aggregator = eval_aggregator
         self.external_transition = external_transition
         self.wandb_config = wandb_config
-        self.orchestrator = JointRolloutOrchestrator(
-            self._team, formatter_list, joint, num_generations=args.num_generations, joint_mode=args.joint_mode,
-            advantage_mode=args.advantage_mode, scale_rewards=args.scale_rewards,
-        )
+        self.orchestrator = JointRolloutOrchestrator(self._team, formatter_list, joint, args, external_transition)
+        if args.early_termination_threshold is not None and self.accelerator.num_processes > 1:
+            raise ValueError(
+                "early_termination_threshold makes the rollout tree differ between processes, which data-parallel "
+                "training cannot synchronise; leave it None when training on several processes."
+            )
         self.env_step = 0
         self._epoch_items = 0  # training task items seen in this epoch (all processes), for eval_interval
         self._joint_metrics = defaultdict(list)
@@ -217,11 +222,16 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         for follower, batch in zip(self._team[1:], rollout.agent_batches[1:]):
             follower._buffered_inputs = split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation)
         self.env_step += rollout.env_steps
-        rewards = torch.tensor(rollout.item_rewards, device=self.accelerator.device)
-        all_rewards = self.accelerator.gather(rewards).tolist()
-        self._joint_metrics["turn_1/reward_mean"].extend(all_rewards)
-        self._joint_metrics["turn_1/expected_return"].extend(all_rewards)  # one turn: the return is the reward
+        for turn, (rewards, returns) in enumerate(zip(rollout.turn_rewards, rollout.turn_returns), start=1):
+            self._joint_metrics[f"turn_{turn}/reward_mean"].extend(self._gather_floats(rewards))
+            self._joint_metrics[f"turn_{turn}/expected_return"].extend(self._gather_floats(returns))
+        for turn, kl in enumerate(rollout.turn_reference_kl, start=1):
+            self._joint_metrics[f"turn_{turn}/reference_kl_mean"].append(kl)
+            self._joint_metrics[f"turn_{turn}/reference_kl_penalty_mean"].append(self.beta * kl)
         return rollout.agent_batches[0]
+
+    def _gather_floats(self, values: list[float]) -> list[float]:
+        return self.accelerator.gather_for_metrics(list(values), use_gather_object=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         slot = self._step % self.args.steps_per_generation  # the buffered micro-batch every agent trains on now
@@ -290,11 +300,6 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             if values:
                 out[key] = sum(values) / len(values)
         self._joint_metrics.clear()
-        if self.beta != 0.0:
-            kls = [out[f"agent_{i}/kl"] for i in range(len(self._team)) if f"agent_{i}/kl" in out]
-            if kls:
-                out["turn_1/reference_kl_mean"] = sum(kls) / len(kls)
-                out["turn_1/reference_kl_penalty_mean"] = self.beta * out["turn_1/reference_kl_mean"]
         self._last_logged_env_step = self.env_step
         self._last_logged_global_step = self.state.global_step
         return out
@@ -310,8 +315,10 @@ class MAGRPOTrainer(AgentGRPOTrainer):
     def evaluate(self, num_eval_samples: int | None = None) -> dict[str, float]:
         """Sample one response per agent for the first `num_eval_samples` evaluation items and score them.
 
-        Returns `eval/turn_1/reward_mean` and `eval/turn_1/expected_return` (plus the custom metrics of
-        `eval_logger`/`eval_aggregator`), or `{}` without an eval_dataset. Model weights are not updated.
+        Every item follows one path: one response per agent per turn, with the external transition between
+        turns. Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` (the discounted return from
+        turn k) for every turn k, plus the custom metrics of `eval_logger`/`eval_aggregator`, or `{}` without an
+        eval_dataset. Model weights are not updated.
         """
         if self.eval_dataset is None:
             return {}
@@ -319,31 +326,36 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"num_eval_samples must be a positive integer, got {count!r}.")
         items = list(itertools.islice(iter(self.eval_dataset), count))
-        local = items[self.accelerator.process_index :: self.accelerator.num_processes]
-        loader = DataLoader(local, batch_size=self.args.eval_batch_size, collate_fn=list)
-        completions = [[] for _ in self._team]  # [agent][local item]
+        process, processes = self.accelerator.process_index, self.accelerator.num_processes
+        local = items[process::processes]
+        labels = [f"evaluation item {index}" for index in range(process, len(items), processes)]
+        completions = [[] for _ in self._team]  # [agent][local item][turn]
+        rewards, returns = [], []  # [local item][turn]
         training = [agent.model.training for agent in self._team]
         try:
             for agent in self._team:
                 agent.model.eval()
-            for batch in loader:
-                for agent_completions, new in zip(completions, self.orchestrator.sample(batch)):
+            for start in range(0, len(local), self.args.eval_batch_size):
+                end = start + self.args.eval_batch_size
+                batch_completions, batch_rewards, batch_returns = self.orchestrator.evaluate_path(
+                    local[start:end], labels[start:end])
+                for agent_completions, new in zip(completions, batch_completions):
                     agent_completions.extend(new)
+                rewards.extend(batch_rewards)
+                returns.extend(batch_returns)
         finally:
             for agent, was_training in zip(self._team, training):
                 agent.model.train(was_training)
                 agent._metrics["eval"].clear()
-        rewards = [
-            self.orchestrator.joint_reward([[agent[row]] for agent in completions], item, f"evaluation item {row}")[0]
-            for row, item in enumerate(local)
-        ]
-        metrics = _eval_metrics(self.accelerator.gather_for_metrics(rewards, use_gather_object=True))
+        metrics = {}
+        all_rewards = self._gather_floats(rewards)
+        all_returns = self._gather_floats(returns)
+        for turn in range(self.args.num_turns):
+            metrics[f"eval/turn_{turn + 1}/reward_mean"] = sum(r[turn] for r in all_rewards) / len(all_rewards)
+            metrics[f"eval/turn_{turn + 1}/expected_return"] = sum(r[turn] for r in all_returns) / len(all_returns)
         if self.eval_logger is not None:
-            rows = self.eval_logger(
-                agent_completions_turns=[[[text] for text in agent] for agent in completions],
-                batch_items=local,
-                prompts=[item.get("prompt") for item in local],
-            )
+            rows = self.eval_logger(agent_completions_turns=completions, batch_items=local,
+                                    prompts=[item.get("prompt") for item in local])
             all_rows = self.accelerator.gather_for_metrics(list(rows), use_gather_object=True)
             custom = self.eval_aggregator(all_rows, num_turns=self.args.num_turns)
             metrics.update({f"eval/{key}": value for key, value in custom.items()})
@@ -493,12 +505,10 @@ def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger
         raise ValueError("train_dataset is required: a datasets.Dataset or IterableDataset of task items.")
     if reward_func is None:
         raise ValueError("reward_func is required: a callable returning one reward per joint action.")
-    if args.num_turns > 1:
-        if external_transition is None:
-            raise ValueError(
-                f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts."
-            )
-        raise NotImplementedError("Multi-turn training (num_turns > 1) is not available in this release yet.")
+    if args.num_turns > 1 and external_transition is None:
+        raise ValueError(f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts.")
+    if external_transition is not None and not callable(external_transition):
+        raise TypeError(f"external_transition must be a callable, got {type(external_transition).__name__}.")
     if (eval_logger is None) != (eval_aggregator is None):
         raise ValueError("eval_logger and eval_aggregator work together: pass both or neither.")
     k = args.num_generations
@@ -526,8 +536,3 @@ def _check_finite_loss(loss: torch.Tensor, agent_idx: int, step: int) -> None:
     if not torch.isfinite(loss).all():
         raise FloatingPointError(f"Agent {agent_idx} produced a non-finite loss ({loss.item()}) at step {step}.")
 
-
-def _eval_metrics(rewards: list[float]) -> dict[str, float]:
-    mean = sum(rewards) / len(rewards)
-    # One turn: the expected return from turn 1 is the turn-1 reward.
-    return {"eval/turn_1/reward_mean": mean, "eval/turn_1/expected_return": mean}
