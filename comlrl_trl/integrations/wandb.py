@@ -5,11 +5,14 @@ evaluations) rather than the optimiser step, as the multi-agent metrics are defi
 """
 
 import importlib.util
+import os
 from numbers import Real
 from typing import Any
 
 from transformers import TrainerCallback
 
+
+_RUNS_OPENED_HERE: set[str] = set()  # ids of the runs that a WandbRunCallback opened in this process
 
 WANDB_CONFIG_KEYS = ("project", "entity", "name", "run_name", "tags", "dir", "config_sections", "id", "resume",
                      "group", "notes", "mode")
@@ -63,17 +66,32 @@ class WandbRunCallback(TrainerCallback):
         self.run = None
 
     def _ensure_run(self):
+        """This trainer's run: a run the user opened is reused; one another trainer opened here is finished."""
         import wandb
 
         if self.run is None:
-            if "dir" in self.init_kwargs:
-                import os
-
-                os.makedirs(self.init_kwargs["dir"], exist_ok=True)
-            self.run = wandb.run if wandb.run is not None else wandb.init(**self.init_kwargs)
+            active = wandb.run
+            if active is not None and active.id in _RUNS_OPENED_HERE:
+                active.finish()
+                active = None
+            if active is None:
+                if "dir" in self.init_kwargs:
+                    os.makedirs(self.init_kwargs["dir"], exist_ok=True)
+                self.run = wandb.init(**self.init_kwargs)
+                _RUNS_OPENED_HERE.add(self.run.id)
+            else:
+                self.run = active
+                self.run.config.update(self.init_kwargs["config"], allow_val_change=True)
             self.run.define_metric("env_step")
             self.run.define_metric("*", step_metric="env_step")
         return self.run
+
+    def identity(self) -> dict[str, str] | None:
+        """The run's identity for checkpoints (`id`, `project`, `entity`), or None before a run is opened."""
+        if self.run is None:
+            return None
+        identity = {"id": self.run.id, "project": self.run.project, "entity": self.run.entity}
+        return {key: value for key, value in identity.items() if value}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
