@@ -9,8 +9,11 @@ agent its scored batch; TRL's loss then runs once per agent per micro-step.
 
 import copy
 import itertools
+import json
 import math
 import os
+import shutil
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -21,9 +24,25 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState, ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from ...checkpoint import (
+    CHECKPOINT_VERSION,
+    METADATA_NAME,
+    STATE_NAME,
+    check_compatible,
+    commit,
+    latest_checkpoint,
+    list_checkpoints,
+    model_fingerprint,
+    prune,
+    read_checkpoint_metadata,
+    staging_dir,
+    tokenizer_fingerprint,
+)
 from ...formatters import build_formatters
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
@@ -168,6 +187,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self._joint_metrics = defaultdict(list)
         self._last_logged_env_step = 0
         self._last_logged_global_step = 0
+        self._configure_checkpoints(None, 1, None)
+        self._resume_path = None
+        self._run_id = None
         self._follower_loss = [0.0] * (n - 1)
         self._follower_grad_norms = [[] for _ in range(n - 1)]
         self._setup_callbacks(wandb_config)
@@ -205,13 +227,88 @@ class MAGRPOTrainer(AgentGRPOTrainer):
 
     # ----- training -----
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if resume_from_checkpoint is not None:
-            raise NotImplementedError(
-                "Resuming multi-agent training from a checkpoint is not available in this release; use save_model() "
-                "and construct a new trainer from the saved agent_i directories."
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_interval: int = 1,
+        checkpoint_total_limit: int | None = None,
+        trial=None,
+        ignore_keys_for_eval=None,
+        **kwargs,
+    ):
+        """Train every agent for `args.num_train_epochs` epochs (the whole run, including resumed work).
+
+        Args:
+            resume_from_checkpoint (`str` or `bool`, *optional*):
+                A `checkpoint-N` directory to resume from (`True`: the latest one in `checkpoint_dir`, else in
+                `args.output_dir`). The trainer must be compatible: same class, agents, model shapes, tokenizers,
+                `num_generations`, `joint_mode` and `num_turns`; `num_train_epochs` may be larger.
+            checkpoint_dir (`str`, *optional*):
+                Save a checkpoint into `checkpoint_dir/checkpoint-{epochs completed}` at every
+                `checkpoint_interval`-th completed epoch and at the end. Without it (and with
+                `args.save_strategy="no"`), no checkpoint is written. TRL's `save_strategy`/`save_steps` also
+                work and save into `args.output_dir/checkpoint-{global step}`.
+            checkpoint_total_limit (`int`, *optional*):
+                Keep only this many of this run's newest checkpoints in `checkpoint_dir`.
+        """
+        self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
+        resume = self._prepare_resume(resume_from_checkpoint)
+        output = super().train(resume_from_checkpoint=resume, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
+            self._checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
+            self._save_checkpoint(self.model_wrapped, trial)
+        return output
+
+    def _configure_checkpoints(self, checkpoint_dir, interval, total_limit) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"checkpoint_interval must be a positive integer, got {interval!r}.")
+        if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
+                                        or total_limit < 1):
+            raise ValueError(f"checkpoint_total_limit must be a positive integer or None, got {total_limit!r}.")
+        if checkpoint_dir is not None and self.args.save_strategy != "no":
+            raise ValueError(
+                "Pass either checkpoint_dir to train() (a checkpoint per completed epoch) or TRL's save_strategy "
+                f"(here {self.args.save_strategy.value!r}), not both."
             )
-        return super().train(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self._checkpoint_interval = interval
+        self._checkpoint_total_limit = total_limit
+        self._last_saved_step = None
+
+    def _checkpoint_root(self, trial=None) -> str | None:
+        if self._checkpoint_dir is not None:
+            return self._checkpoint_dir
+        return self._get_output_dir(trial=trial) if self.args.save_strategy != "no" else None
+
+    def _prepare_resume(self, resume_from_checkpoint) -> str | None:
+        """Check the checkpoint against this trainer and the checkpoint root against other runs."""
+        root = self._checkpoint_root()
+        resume = resume_from_checkpoint
+        if resume is True:
+            resume = latest_checkpoint(root or self.args.output_dir)
+            if resume is None:
+                raise FileNotFoundError(f"resume_from_checkpoint=True but {root or self.args.output_dir!r} holds "
+                                        "no complete checkpoint.")
+        elif resume is False:
+            resume = None
+        self._resume_path = os.fspath(resume) if resume is not None else None
+        if self._resume_path is not None:
+            metadata = read_checkpoint_metadata(self._resume_path)
+            check_compatible(metadata["compat"], self._compatibility(), self._resume_path)
+            self._run_id, self._checkpoint_sequence = metadata["run_id"], metadata["sequence"]
+        else:
+            self._run_id, self._checkpoint_sequence = uuid.uuid4().hex, 0
+        if root is not None:
+            foreign = [path for _, path in list_checkpoints(root)
+                       if read_checkpoint_metadata(path)["run_id"] != self._run_id]
+            if foreign:
+                raise FileExistsError(
+                    f"{root!r} already holds checkpoints of another run ({os.path.basename(foreign[0])}, ...). "
+                    "Use a new checkpoint directory, or resume from one of them."
+                )
+        return self._resume_path
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """The team rollout. Returns agent 0's scored batch; the other agents' batches are buffered on them."""
@@ -248,10 +345,15 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         return loss
 
     def _prepare_followers(self):
-        for follower in self._team[1:]:
+        """Give every other agent its optimizer and scheduler (restored when resuming) and the team state."""
+        resume = self._resume_path
+        for i, follower in enumerate(self._team[1:], start=1):
             follower.model.train()
             follower.state.max_steps = self.state.max_steps
-            follower._prepare_for_training(self.state.max_steps, None, None)
+            agent_resume = os.path.join(resume, f"agent_{i}") if resume is not None else None
+            follower._prepare_for_training(self.state.max_steps, None, agent_resume)
+        if resume is not None:
+            self._load_team_state(resume)
 
     def _step_followers(self):
         for i, follower in enumerate(self._team[1:]):
@@ -303,6 +405,113 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self._last_logged_env_step = self.env_step
         self._last_logged_global_step = self.state.global_step
         return out
+
+    # ----- checkpoints -----
+
+    def _compatibility(self) -> dict[str, Any]:
+        """What must not change between a checkpoint and the trainer resuming from it."""
+        return {
+            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "num_agents": len(self._team),
+            "models": [model_fingerprint(agent.model) for agent in self._team],
+            "tokenizers": [tokenizer_fingerprint(agent.processing_class) for agent in self._team],
+            "num_generations": self.args.num_generations,
+            "joint_mode": self.args.joint_mode,
+            "num_turns": self.args.num_turns,
+        }
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write `checkpoint-N` for every agent into a staging directory, then rename it into place."""
+        root = self._checkpoint_root(trial) or self._get_output_dir(trial=trial)
+        sequence = self._checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{sequence}"
+        staging, final = staging_dir(root, name), os.path.join(root, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left over by a process killed while saving
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
+        self.store_flos()
+        self.save_model(staging, _internal_call=True)
+        if not self.args.save_only_model:
+            for i, agent in enumerate(self._team):
+                Trainer._save_optimizer_and_scheduler(agent, os.path.join(staging, f"agent_{i}"))
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
+        if self.args.should_save:
+            torch.save(self._team_state(), os.path.join(staging, STATE_NAME))
+            for callback in self.callback_handler.callbacks + [self.control]:
+                if isinstance(callback, ExportableState):
+                    self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+            with open(os.path.join(staging, METADATA_NAME), "w") as f:  # last: marks the checkpoint complete
+                json.dump(self._checkpoint_metadata(sequence), f, indent=2)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            commit(staging, final)
+            limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
+            prune(root, limit, self._run_id)
+        self.accelerator.wait_for_everyone()
+        self._last_saved_step = self.state.global_step
+
+    def _checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
+        wandb_callback = next((c for c in self.callback_handler.callbacks if isinstance(c, WandbRunCallback)), None)
+        return {
+            "version": CHECKPOINT_VERSION,
+            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "sequence": sequence,
+            "run_id": self._run_id,
+            "wandb": wandb_callback.identity() if wandb_callback is not None else None,
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "compat": self._compatibility(),
+        }
+
+    def _stateful_objects(self) -> dict[str, Any]:
+        """User objects that carry state across a resume: anything with `state_dict` and `load_state_dict`."""
+        candidates = {"reward_func": self.orchestrator.joint_reward.reward_func,
+                      "reward_processor": self.orchestrator.joint_reward.reward_processor,
+                      "external_transition": self.external_transition, "eval_logger": self.eval_logger,
+                      "eval_aggregator": self.eval_aggregator, "train_dataset": self.train_dataset,
+                      "eval_dataset": self.eval_dataset}
+        candidates.update({f"formatter_{i}": f for i, f in enumerate(self.formatters)})
+        candidates.update({f"callback_{type(c).__name__}": c for c in self.callback_handler.callbacks})
+        return {name: obj for name, obj in candidates.items() if _is_stateful(obj)}
+
+    def _team_state(self) -> dict[str, Any]:
+        return {
+            "env_step": self.env_step,
+            "epoch_items": self._epoch_items,
+            "last_logged_env_step": self._last_logged_env_step,
+            "followers": [{"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
+                          for f in self._team[1:]],
+            "objects": {name: obj.state_dict() for name, obj in self._stateful_objects().items()},
+        }
+
+    def _load_team_state(self, checkpoint: str) -> None:
+        state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
+        self.env_step = state["env_step"]
+        self._epoch_items = state["epoch_items"]
+        self._last_logged_env_step = state["last_logged_env_step"]
+        self._last_logged_global_step = self.state.global_step
+        for follower, saved in zip(self._team[1:], state["followers"]):
+            follower.state.global_step = saved["global_step"]
+            follower.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+        objects = self._stateful_objects()
+        if set(objects) != set(state["objects"]):
+            raise ValueError(f"Cannot resume from {checkpoint}: the stateful objects differ (checkpoint: "
+                             f"{sorted(state['objects'])}, this trainer: {sorted(objects)}).")
+        for name, obj in objects.items():
+            obj.load_state_dict(state["objects"][name])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(os.path.join(resume_from_checkpoint, "agent_0"), model)
+        for i, follower in enumerate(self._team[1:], start=1):
+            Trainer._load_from_checkpoint(follower, os.path.join(resume_from_checkpoint, f"agent_{i}"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None:
+            checkpoint = os.path.join(checkpoint, "agent_0")
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     # ----- evaluation -----
 
@@ -390,6 +599,15 @@ class _TeamCallback(TrainerCallback):
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.trainer._epoch_items = 0
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer._checkpoint_dir is not None:
+            trainer._checkpoint_sequence = round(state.epoch)
+            if trainer._checkpoint_sequence % trainer._checkpoint_interval == 0 or state.global_step >= state.max_steps:
+                control.should_save = True
+                control.should_log = True  # flush the metrics, so that a resumed run logs exactly the same
+        return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._step_followers()
@@ -519,17 +737,19 @@ def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger
             f"num_generations = {k}, so that every task item's {k} completions per agent stay on one device and "
             "the joint reward sees whole groups."
         )
-    if args.save_strategy != "no":
-        raise ValueError(
-            f"save_strategy={str(args.save_strategy.value)!r}: multi-agent checkpoints are not available in this release; "
-            "keep save_strategy='no' and export the agents with trainer.save_model(dir)."
-        )
     if args.log_completions:
         raise ValueError("log_completions is not supported by multi-agent trainers yet; leave it False.")
     if args.use_vllm:
         raise ValueError("use_vllm is not supported by multi-agent trainers yet (one vLLM engine per agent).")
     if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
         raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")
+
+
+def _is_stateful(obj) -> bool:
+    if obj is None or not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        return False
+    # A streaming dataset's position is restored by the data loader, not by its own state.
+    return not (isinstance(obj, IterableDataset) and type(obj).state_dict is IterableDataset.state_dict)
 
 
 def _check_finite_loss(loss: torch.Tensor, agent_idx: int, step: int) -> None:
