@@ -216,3 +216,21 @@ def test_sigkill_then_resume_from_latest_complete_checkpoint(tmp_path, kill):
     assert result == expected  # same weights, same logged rewards, same env_step
     assert {"checkpoint-1", "checkpoint-2", "checkpoint-3"} <= set(os.listdir(tmp_path / "ckpt"))
     assert ".checkpoint-2.partial" not in os.listdir(tmp_path / "ckpt")
+
+
+def test_multi_turn_resume_is_exact(qwen_path, make_config, tmp_path):
+    def transition(*, agent_completions, **kwargs):
+        return [f"Improve: {text[:20]}" for text in agent_completions]
+
+    def build(epochs):
+        return _trainer(qwen_path, make_config, epochs, external_transition=transition,
+                        config=dict(num_turns=2, discount=0.9))
+
+    straight = build(2)
+    straight.train()
+    build(1).train(checkpoint_dir=tmp_path / "ckpt")
+    resumed = build(2)
+    resumed.train(resume_from_checkpoint=True, checkpoint_dir=tmp_path / "ckpt")
+    _assert_same_weights(straight, resumed)
+    for key in ("turn_1/reward_mean", "turn_2/expected_return", "eval/turn_2/reward_mean"):
+        assert _rewards(resumed, key) == _rewards(straight, key) and _rewards(straight, key)

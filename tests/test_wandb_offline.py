@@ -219,3 +219,45 @@ def test_unknown_wandb_config_key_fails_at_construction(qwen_path, prompts_datas
         MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
                       train_dataset=prompts_dataset, args=make_config(),
                       wandb_config={"projcet": "typo", "name": "run-x"})
+
+
+def _run_records(tmp_path):
+    files = sorted(glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb")))
+    return [read_run_file(path) for path in files]
+
+
+def test_each_trainer_gets_its_own_run(offline_wandb, qwen_path, make_config):
+    tmp_path = offline_wandb
+    train, _ = _datasets(2)
+    for name in ("run-1", "run-2"):
+        trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
+                                args=make_config(num_generations=2),
+                                wandb_config={"project": "p", "name": name, "dir": str(tmp_path / "wb")})
+        trainer.train()
+    wandb.finish()
+    names = sorted(next(r.run for r in records if r.WhichOneof("record_type") == "run").display_name
+                   for records in _run_records(tmp_path))
+    assert names == ["run-1", "run-2"]
+
+
+def test_checkpoint_keeps_the_run_identity_for_resume(offline_wandb, qwen_path, make_config):
+    from comlrl_trl.utils import read_checkpoint_metadata
+
+    tmp_path = offline_wandb
+    train, _ = _datasets(2)
+    wandb_config = {"project": "p", "name": "resumable", "dir": str(tmp_path / "wb")}
+    first = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
+                          args=make_config(num_generations=2), wandb_config=wandb_config)
+    first.train(checkpoint_dir=tmp_path / "ckpt")
+    run_id = wandb.run.id
+    wandb.finish()
+
+    checkpoint = str(tmp_path / "ckpt" / "checkpoint-1")
+    identity = read_checkpoint_metadata(checkpoint)["wandb"]  # the page-003 snippet
+    assert identity == {"id": run_id, "project": "p"}
+    if identity and "id" not in wandb_config and "resume" not in wandb_config:
+        wandb_config = {**wandb_config, **identity, "resume": "allow"}
+    resumed = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
+                            args=make_config(num_generations=2, num_train_epochs=2), wandb_config=wandb_config)
+    resumed.train(resume_from_checkpoint=checkpoint, checkpoint_dir=tmp_path / "ckpt")
+    assert wandb.run.id == run_id

@@ -1,0 +1,244 @@
+"""The code-feedback task: the sandbox, the task pieces, MAGRPO training with them, and the example script."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from comlrl_trl.tasks import code_feedback as task
+from comlrl_trl.tasks.sandbox import SandboxResult, run_python
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "code-feedback.py"
+
+# A correct (helper, main) pair for every built-in problem: the main function calls the helper.
+SOLUTIONS = {
+    "count_vowels": ("def aux(ch):\n    return ch.lower() in 'aeiou'",
+                     "def count_vowels(s):\n    return sum(1 for ch in s if aux(ch))"),
+    "reverse_words": ("def aux(s):\n    return s.split()",
+                      "def reverse_words(s):\n    return ' '.join(reversed(aux(s)))"),
+    "is_palindrome": ("def aux(s):\n    return ''.join(c.lower() for c in s if c.isalnum())",
+                      "def is_palindrome(s):\n    t = aux(s)\n    return t == t[::-1]"),
+    "sum_of_squares": ("def aux(x):\n    return x * x", "def sum_of_squares(nums):\n    return sum(aux(x) for x in nums)"),
+    "count_primes": ("def aux(k):\n    return k >= 2 and all(k % d for d in range(2, int(k ** 0.5) + 1))",
+                     "def count_primes(n):\n    return sum(1 for k in range(n) if aux(k))"),
+    "gcd_list": ("def aux(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
+                 "def gcd_list(nums):\n    g = nums[0]\n    for x in nums[1:]:\n        g = aux(g, x)\n    return g"),
+    "flatten": ("def aux(x):\n    return isinstance(x, list)",
+                "def flatten(items):\n    out = []\n    for x in items:\n"
+                "        out.extend(flatten(x) if aux(x) else [x])\n    return out"),
+    "most_common_char": ("def aux(s):\n    counts = {}\n    for c in s:\n        counts[c] = counts.get(c, 0) + 1\n"
+                         "    return counts",
+                         "def most_common_char(s):\n    counts = aux(s)\n    return max(s, key=lambda c: counts[c])"),
+    "caesar_shift": ("def aux(ch, k):\n    if not ch.isalpha():\n        return ch\n"
+                     "    base = ord('a') if ch.islower() else ord('A')\n    return chr(base + (ord(ch) - base + k) % 26)",
+                     "def caesar_shift(s, k):\n    return ''.join(aux(ch, k) for ch in s)"),
+    "digital_root": ("def aux(n):\n    return sum(int(d) for d in str(n))",
+                     "def digital_root(n):\n    while n >= 10:\n        n = aux(n)\n    return n"),
+    "run_length_encode": ("def aux(s, i):\n    j = i\n    while j < len(s) and s[j] == s[i]:\n        j += 1\n"
+                          "    return j - i",
+                          "def run_length_encode(s):\n    out, i = '', 0\n    while i < len(s):\n"
+                          "        n = aux(s, i)\n        out += s[i] + str(n)\n        i += n\n    return out"),
+    "fizzbuzz": ("def aux(i):\n    return 'FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else "
+                 "'Buzz' if i % 5 == 0 else str(i)",
+                 "def fizzbuzz(n):\n    return [aux(i) for i in range(1, n + 1)]"),
+}
+
+
+def _item(entry_point):
+    for split in ("train", "eval"):
+        for item in task.build_dataset(split):
+            if item["entry_point"] == entry_point:
+                return item
+    raise KeyError(entry_point)
+
+
+# ----- the sandbox -----
+
+
+def test_sandbox_passing_partial_and_failure_messages():
+    code = "def double(x):\n    return 2 * x\n"
+    assert run_python(code, ["assert double(2) == 4", "assert double(0) == 0"]) == SandboxResult(2, 2, [], False)
+    result = run_python(code, ["assert double(2) == 4", "assert double(3) == 7", "assert double(None) == 1"])
+    assert (result.passed, result.total, result.timed_out) == (1, 3, False)
+    assert result.errors[0] == "assert double(3) == 7  # got 6"
+    assert "TypeError" in result.errors[1]
+    assert result.pass_rate == pytest.approx(1 / 3)
+
+
+def test_sandbox_syntax_error_counts_zero():
+    result = run_python("def f(x) return x", ["assert f(1) == 1", "assert True"])
+    assert (result.passed, result.total, result.timed_out) == (0, 2, False)
+    assert result.errors[0].startswith("SyntaxError")
+
+
+def test_sandbox_times_out_without_hanging():
+    start = time.monotonic()
+    result = run_python("while True:\n    pass\n", ["assert True"], timeout=1.0)
+    assert time.monotonic() - start < 3.0
+    assert result.timed_out and result.passed == 0 and result.total == 1
+    start = time.monotonic()  # a program that forks and sleeps: the whole process group is killed
+    result = run_python("import os, time\nos.fork()\ntime.sleep(60)\n", ["assert True"], timeout=1.0)
+    assert time.monotonic() - start < 3.0 and result.timed_out
+
+
+def test_sandbox_memory_limit_fails_fast():
+    start = time.monotonic()
+    result = run_python("x = bytearray(10**10)\n", ["assert x"], memory_mb=256)
+    assert time.monotonic() - start < 3.0
+    assert result.passed == 0 and not result.timed_out
+    assert any("MemoryError" in error for error in result.errors)
+
+
+def test_sandbox_hides_the_parent_environment(monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+    code = "import os\nseen = os.environ.get('SECRET_TOKEN')\nkeys = sorted(os.environ)\n"
+    result = run_python(code, ["assert seen is None", "assert 'PYTHONPATH' not in keys",
+                               "assert os.environ['HOME'] == os.getcwd()"])
+    assert result.passed == 3, result.errors
+
+
+def test_sandbox_blocks_sockets_and_keeps_the_tests_independent():
+    code = "import socket\ndef connect():\n    return socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+    result = run_python(code, ["connect()", "assert 1 + 1 == 2"])
+    assert result.passed == 1
+    assert "PermissionError" in result.errors[0] and "network" in result.errors[0]
+
+
+def test_sandbox_output_and_early_exit_cannot_fake_results():
+    loud = "print('x' * 100000)\ndef f():\n    return 1\n"
+    assert run_python(loud, ["assert f() == 1"]).passed == 1
+    quitter = "import os\ndef f():\n    os._exit(0)\n"
+    result = run_python(quitter, ["f()", "assert True"])
+    assert result.passed == 0 and "Crash" in result.errors[0]
+
+
+# ----- the task -----
+
+
+def test_dataset_splits_are_deterministic_and_disjoint():
+    train, evaluation = task.build_dataset("train"), task.build_dataset("eval")
+    assert (len(train), len(evaluation)) == (9, 3)
+    assert set(train["task_id"]).isdisjoint(evaluation["task_id"])
+    assert train["task_id"] == task.build_dataset("train")["task_id"]
+    assert set(train.column_names) == {"task_id", "prompt", "entry_point", "helper_hint", "tests"}
+    with pytest.raises(ValueError, match="split"):
+        task.build_dataset("test")
+
+
+def test_extract_code():
+    fenced = "Here you go:\n```python\nimport math\n\ndef aux(x):\n    return math.sqrt(x)\n```\nHope it helps!"
+    assert task.extract_code(fenced) == "import math\ndef aux(x):\n    return math.sqrt(x)"
+    unterminated = "```py\ndef aux(x):\n    return x + 1\n"
+    assert task.extract_code(unterminated) == "def aux(x):\n    return x + 1"
+    prose = "The answer is\n    def aux(x):\n        return x\nThis returns x."
+    assert task.extract_code(prose) == "def aux(x):\n    return x"  # dedented, trailing prose dropped
+    assert task.extract_code("no code at all") == ""
+    assert task.extract_code("def broken(x) return") == "def broken(x) return"  # left for the sandbox to report
+
+
+@pytest.mark.parametrize("entry_point", sorted(SOLUTIONS))
+def test_reference_solutions_get_the_full_reward(entry_point):
+    helper, main = SOLUTIONS[entry_point]
+    rewards = task.reward([f"```python\n{helper}\n```"], [main], batch_items=[_item(entry_point)])
+    assert rewards == [pytest.approx(task.MAX_REWARD)]
+
+
+def test_reward_parts():
+    item = _item("count_vowels")
+    helper, main = SOLUTIONS["count_vowels"]
+    no_call = "def count_vowels(s):\n    return sum(ch in 'aeiouAEIOU' for ch in s)"
+    own_aux = "def aux(ch):\n    return False\ndef count_vowels(s):\n    return sum(1 for ch in s if aux(ch))"
+    wrong = "def count_vowels(s):\n    return 2"
+    rewards = task.reward([helper, "garbage", helper, helper, helper], [main, "garbage", no_call, own_aux, wrong],
+                          batch_items=[item])
+    assert rewards[0] >= 1.0
+    assert rewards[1] == 0.0
+    assert rewards[2] == pytest.approx(1.1)  # correct, defines the entry point, does not call aux
+    assert rewards[3] == pytest.approx(0.5 + 0.1)  # its own aux shadows the helper, no call bonus
+    assert rewards[4] == pytest.approx(0.25 + 0.1)  # "hello" passes
+
+
+def test_transition_reports_failures_and_the_other_agents_code():
+    item = _item("count_vowels")
+    helper = SOLUTIONS["count_vowels"][0]
+    wrong = "def count_vowels(s):\n    return 2"
+    prompts = task.transition(prompt=item["prompt"], agent_completions=[helper, f"```python\n{wrong}\n```"],
+                              num_agents=2, prompt_history_per_agent=[[item["prompt"]], [item["prompt"]]],
+                              response_history_per_agent=[[helper], [wrong]], batch_item=item)
+    assert isinstance(prompts, list) and len(prompts) == 2 and all(isinstance(p, str) for p in prompts)
+    helper_prompt, main_prompt = prompts
+    for prompt in prompts:
+        assert "passed 1 of 4 tests" in prompt
+        assert 'assert count_vowels("AEIOU xyz") == 5  # got 2' in prompt
+    assert wrong in helper_prompt and "Revise `aux`" in helper_prompt  # the helper sees the main agent's code
+    assert helper in main_prompt and "Revise `count_vowels`" in main_prompt
+    with pytest.raises(ValueError, match="2 agents"):
+        task.transition(prompt="", agent_completions=["", "", ""], num_agents=3, prompt_history_per_agent=[],
+                        response_history_per_agent=[[], [], []], batch_item=item)
+
+
+def test_formatters_with_and_without_feedback():
+    item = _item("flatten")
+    helper_formatter, main_formatter = task.formatters()
+    first = helper_formatter(item)
+    assert item["prompt"] in first and item["helper_hint"] in first and "Attempt" not in first
+    assert "`flatten`" in main_formatter(item) and "do not define `aux`" in main_formatter(item)
+    feedback = "Attempt 1: the joint program passed 0 of 4 tests."
+    for formatter in (helper_formatter, main_formatter):
+        revised = formatter(item, external_prompts=feedback)
+        assert revised.startswith(formatter(item).rsplit("\n", 2)[0]) and feedback in revised
+        assert revised.rstrip().endswith("Answer with Python code only.")
+
+
+def test_eval_metrics_per_turn():
+    item = _item("sum_of_squares")
+    helper, main = SOLUTIONS["sum_of_squares"]
+    rows = task.eval_logger(agent_completions_turns=[[["junk", helper]], [["junk", main]]], batch_items=[item],
+                            prompts=[item["prompt"]])
+    assert rows == [{"turn_1/pass_rate": 0.0, "turn_1/solved": 0.0, "turn_2/pass_rate": 1.0, "turn_2/solved": 1.0}]
+    assert task.eval_aggregator(rows + rows, num_turns=2)["turn_2/solved"] == 1.0
+
+
+# ----- training -----
+
+
+def test_magrpo_trains_on_the_task_with_feedback(qwen_path, make_config):
+    transitions = []
+
+    def recording_transition(**kwargs):
+        prompts = task.transition(**kwargs)
+        transitions.append(prompts)
+        return prompts
+
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, formatters=task.formatters(), reward_func=task.reward,
+        external_transition=recording_transition, train_dataset=task.build_dataset("train").select(range(2)),
+        args=make_config(num_turns=2, num_generations=2, max_steps=1, per_device_train_batch_size=4),
+    )
+    trainer.train()
+    j = 2  # joint actions per node (align mode, K = 2)
+    assert trainer.env_step == 2 * (j + j**2)
+    assert len(transitions) == 2 * j
+    assert all("Attempt 1: the joint program passed" in prompt for pair in transitions for prompt in pair)
+    logs = [row for row in trainer.state.log_history if "agent_0/loss" in row]
+    assert "turn_1/reward_mean" in logs[-1] and "turn_2/reward_mean" in logs[-1]
+
+
+def test_example_script_runs(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--max-steps", "1", "--max-new-tokens", "8", "--num-generations", "2",
+         "--output-dir", str(tmp_path / "out")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for title in ("Evaluation before training:", "Evaluation after training:"):
+        block = result.stdout.split(title, 1)[1]
+        assert "turn 1: " in block and "turn 2: " in block and "pass_rate=" in block
+    assert (tmp_path / "out" / "models" / "agent_1" / "config.json").is_file()
