@@ -24,7 +24,8 @@ SOLUTIONS = {
                       "def reverse_words(s):\n    return ' '.join(reversed(aux(s)))"),
     "is_palindrome": ("def aux(s):\n    return ''.join(c.lower() for c in s if c.isalnum())",
                       "def is_palindrome(s):\n    t = aux(s)\n    return t == t[::-1]"),
-    "sum_of_squares": ("def aux(x):\n    return x * x", "def sum_of_squares(nums):\n    return sum(aux(x) for x in nums)"),
+    "sum_of_squares": ("def aux(x):\n    return x * x",
+                       "def sum_of_squares(nums):\n    return sum(aux(x) for x in nums)"),
     "count_primes": ("def aux(k):\n    return k >= 2 and all(k % d for d in range(2, int(k ** 0.5) + 1))",
                      "def count_primes(n):\n    return sum(1 for k in range(n) if aux(k))"),
     "gcd_list": ("def aux(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
@@ -36,7 +37,8 @@ SOLUTIONS = {
                          "    return counts",
                          "def most_common_char(s):\n    counts = aux(s)\n    return max(s, key=lambda c: counts[c])"),
     "caesar_shift": ("def aux(ch, k):\n    if not ch.isalpha():\n        return ch\n"
-                     "    base = ord('a') if ch.islower() else ord('A')\n    return chr(base + (ord(ch) - base + k) % 26)",
+                     "    base = ord('a') if ch.islower() else ord('A')\n"
+                     "    return chr(base + (ord(ch) - base + k) % 26)",
                      "def caesar_shift(s, k):\n    return ''.join(aux(ch, k) for ch in s)"),
     "digital_root": ("def aux(n):\n    return sum(int(d) for d in str(n))",
                      "def digital_root(n):\n    while n >= 10:\n        n = aux(n)\n    return n"),

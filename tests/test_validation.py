@@ -185,9 +185,10 @@ def test_unknown_wandb_config_key(build):
         build(wandb_config={"projekt": "x"})
 
 
-def test_save_strategy_steps_rejected(build, make_config):
-    with pytest.raises(ValueError, match="save_strategy.*save_model"):
-        build(args=make_config(save_strategy="steps", save_steps=1))
+def test_checkpoint_dir_and_save_strategy_are_exclusive(build, make_config, tmp_path):
+    trainer = build(args=make_config(save_strategy="steps", save_steps=1))
+    with pytest.raises(ValueError, match="either checkpoint_dir .* or TRL's save_strategy"):
+        trainer.train(checkpoint_dir=tmp_path / "ckpt")
 
 
 def test_log_completions_rejected(build, make_config):
@@ -195,10 +196,10 @@ def test_log_completions_rejected(build, make_config):
         build(args=make_config(log_completions=True))
 
 
-def test_resume_from_checkpoint_not_available(build):
+def test_resume_from_a_directory_that_is_not_a_checkpoint(build, tmp_path):
     trainer = build()
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        trainer.train(resume_from_checkpoint="somewhere")
+    with pytest.raises(FileNotFoundError, match="not a complete comlrl_trl checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
 
 
 # ----- runtime: reward and formatter errors during train() -----

@@ -1,0 +1,1 @@
+"""Tasks shipped with comlrl_trl: dataset builder, formatters, reward, transition."""

@@ -1,0 +1,343 @@
+"""A multi-turn, two-agent coding task with test feedback: a helper agent and a main agent write one program.
+
+Every problem names a main function (`entry_point`) and a helper it should use. Agent 0 writes the helper
+`def aux(...)`; agent 1 writes the main function, which may call `aux`. The joint program (helper code, then
+main code) runs the problem's `assert` tests in the sandbox of `comlrl_trl.tasks.sandbox`.
+
+Reward of one joint action (at most 1.2):
+
+* the fraction of the problem's tests the joint program passes (0.0 to 1.0), plus
+* 0.1 when the main agent's code defines the entry point, plus
+* 0.1 when that function calls `aux` and the main agent did not define `aux` itself (so the call uses the
+  teammate's helper).
+
+The structure bonus gives a learning signal before any test passes; it is small, so a correct program always
+beats a well-shaped wrong one.
+
+Between turns, `transition` runs the tests again and gives each agent a revision prompt with the test results
+(the first failing tests, with the values obtained), its own previous code and the teammate's code; the
+formatters put the problem statement and the agent's role in front of it. Keep the trainer's
+`external_prompt_passthrough=False` (the default), so that later prompts still contain the problem.
+
+    from comlrl_trl.tasks import code_feedback as task
+
+    trainer = MAGRPOTrainer(agent_model=..., formatters=task.formatters(), reward_func=task.reward,
+                            external_transition=task.transition, train_dataset=task.build_dataset("train"),
+                            eval_dataset=task.build_dataset("eval"), eval_logger=task.eval_logger,
+                            eval_aggregator=task.eval_aggregator, args=MAGRPOConfig(num_turns=2, ...))
+"""
+
+import ast
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from datasets import Dataset
+
+from .sandbox import SandboxResult, run_python
+
+
+HELPER_NAME = "aux"
+SANDBOX_TIMEOUT = 2.0  # seconds per joint program
+STRUCTURE_BONUS = 0.1  # for defining the entry point, and again for calling the helper
+MAX_REWARD = 1.0 + 2 * STRUCTURE_BONUS
+MAX_FEEDBACK_ERRORS = 3  # failing tests shown in a revision prompt
+MAX_FEEDBACK_CODE_CHARS = 600  # each code listing in a revision prompt is cut to this length
+
+# (entry_point, prompt, helper_hint, tests)
+_PROBLEMS: list[tuple[str, str, str, list[str]]] = [
+    ("count_vowels",
+     "Write `count_vowels(s: str) -> int` that returns the number of vowels (a, e, i, o, u, in either case) in `s`.",
+     "`aux(ch: str) -> bool` returns True when the single character `ch` is a vowel (a, e, i, o, u, either case)",
+     ['assert count_vowels("hello") == 2', 'assert count_vowels("AEIOU xyz") == 5',
+      'assert count_vowels("rhythm") == 0', 'assert count_vowels("") == 0']),
+    ("reverse_words",
+     "Write `reverse_words(s: str) -> str` that returns the words of `s` (separated by any whitespace) in reverse "
+     "order, joined by single spaces.",
+     "`aux(s: str) -> list[str]` returns the words of `s`, split on any whitespace",
+     ['assert reverse_words("hello world") == "world hello"', 'assert reverse_words("  a  b c ") == "c b a"',
+      'assert reverse_words("one") == "one"', 'assert reverse_words("") == ""']),
+    ("is_palindrome",
+     "Write `is_palindrome(s: str) -> bool` that tells whether `s` reads the same backwards, ignoring case and every "
+     "character that is not a letter or a digit.",
+     "`aux(s: str) -> str` returns the letters and digits of `s`, lower-cased, in order",
+     ['assert is_palindrome("A man, a plan, a canal: Panama") == True', 'assert is_palindrome("race a car") == False',
+      'assert is_palindrome("") == True', "assert is_palindrome(\"No 'x' in Nixon\") == True"]),
+    ("sum_of_squares",
+     "Write `sum_of_squares(nums: list[int]) -> int` that returns the sum of the squares of the numbers in `nums`.",
+     "`aux(x: int) -> int` returns `x` squared",
+     ["assert sum_of_squares([1, 2, 3]) == 14", "assert sum_of_squares([]) == 0", "assert sum_of_squares([-4]) == 16",
+      "assert sum_of_squares([0, 5, -1]) == 26"]),
+    ("count_primes",
+     "Write `count_primes(n: int) -> int` that returns how many prime numbers are smaller than `n`.",
+     "`aux(k: int) -> bool` returns True when `k` is a prime number (False for k < 2)",
+     ["assert count_primes(10) == 4", "assert count_primes(2) == 0", "assert count_primes(3) == 1",
+      "assert count_primes(30) == 10"]),
+    ("gcd_list",
+     "Write `gcd_list(nums: list[int]) -> int` that returns the greatest common divisor of the positive integers in "
+     "the non-empty list `nums`.",
+     "`aux(a: int, b: int) -> int` returns the greatest common divisor of `a` and `b`",
+     ["assert gcd_list([12, 18, 24]) == 6", "assert gcd_list([7]) == 7", "assert gcd_list([10, 25]) == 5",
+      "assert gcd_list([8, 9]) == 1"]),
+    ("flatten",
+     "Write `flatten(items: list) -> list` that returns the elements of the arbitrarily nested list `items` that "
+     "are not lists themselves, in order.",
+     "`aux(x) -> bool` returns True when `x` is a list",
+     ["assert flatten([1, [2, [3, 4]], 5]) == [1, 2, 3, 4, 5]", "assert flatten([]) == []",
+      "assert flatten([[], [[]]]) == []", 'assert flatten(["a", ["b"]]) == ["a", "b"]']),
+    ("most_common_char",
+     "Write `most_common_char(s: str) -> str` that returns the character occurring most often in the non-empty "
+     "string `s`; on a tie, the one that occurs first in `s`.",
+     "`aux(s: str) -> dict[str, int]` maps every character of `s` to the number of times it occurs",
+     ['assert most_common_char("banana") == "a"', 'assert most_common_char("abc") == "a"',
+      'assert most_common_char("aabbb") == "b"', 'assert most_common_char("xyyx") == "x"']),
+    ("caesar_shift",
+     "Write `caesar_shift(s: str, k: int) -> str` that shifts every letter of `s` by `k` places in the alphabet, "
+     "wrapping around and keeping its case; other characters stay the same.",
+     "`aux(ch: str, k: int) -> str` shifts the single character `ch` by `k` letters (wrapping, keeping its case) "
+     "and returns any other character unchanged",
+     ['assert caesar_shift("abc", 1) == "bcd"', 'assert caesar_shift("xyz", 3) == "abc"',
+      'assert caesar_shift("Hello, World!", 13) == "Uryyb, Jbeyq!"', 'assert caesar_shift("abc", -1) == "zab"']),
+    ("digital_root",
+     "Write `digital_root(n: int) -> int` that repeatedly replaces the non-negative integer `n` by the sum of its "
+     "decimal digits until one digit remains, and returns that digit.",
+     "`aux(n: int) -> int` returns the sum of the decimal digits of `n`",
+     ["assert digital_root(16) == 7", "assert digital_root(942) == 6", "assert digital_root(0) == 0",
+      "assert digital_root(999999999999) == 9"]),
+    ("run_length_encode",
+     "Write `run_length_encode(s: str) -> str` that replaces every run of equal characters in `s` by the character "
+     'followed by the length of the run, e.g. "aaab" -> "a3b1".',
+     "`aux(s: str, i: int) -> int` returns the length of the run of equal characters that starts at index `i` of `s`",
+     ['assert run_length_encode("aaab") == "a3b1"', 'assert run_length_encode("") == ""',
+      'assert run_length_encode("abc") == "a1b1c1"', 'assert run_length_encode("zzzzzzzzzzzz") == "z12"']),
+    ("fizzbuzz",
+     'Write `fizzbuzz(n: int) -> list[str]` that returns the FizzBuzz words for 1..n: "FizzBuzz" for multiples of '
+     '15, "Fizz" for other multiples of 3, "Buzz" for other multiples of 5, else the number as a string.',
+     "`aux(i: int) -> str` returns the FizzBuzz word for the single number `i`",
+     ['assert fizzbuzz(5) == ["1", "2", "Fizz", "4", "Buzz"]', "assert fizzbuzz(0) == []",
+      'assert fizzbuzz(15)[-1] == "FizzBuzz"', 'assert fizzbuzz(15).count("Fizz") == 4']),
+]
+
+
+# ----- dataset -----
+
+
+def build_dataset(split: str = "train") -> Dataset:
+    """The built-in problems: every 4th one (3 of 12) is `"eval"`, the others `"train"`; the order is fixed.
+
+    Columns: `task_id`, `prompt` (the problem), `entry_point`, `helper_hint`, `tests` (list of `assert` lines).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+    rows = [
+        {"task_id": entry_point, "prompt": prompt, "entry_point": entry_point, "helper_hint": hint,
+         "tests": list(tests)}
+        for index, (entry_point, prompt, hint, tests) in enumerate(_PROBLEMS)
+        if (index % 4 == 3) == (split == "eval")
+    ]
+    return Dataset.from_list(rows)
+
+
+# ----- prompts -----
+
+
+def helper_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
+    """Agent 0's prompt: the problem and the helper to write; at later turns also the revision prompt."""
+    head = (f"You write the helper function of a two-agent Python team.\nProblem: {item['prompt']}\n"
+            f"Write only the helper: {item['helper_hint']}. Your teammate writes `{item['entry_point']}` and calls "
+            f"`{HELPER_NAME}`.")
+    return _with_feedback(head, external_prompts)
+
+
+def main_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
+    """Agent 1's prompt: the problem, the helper it may call; at later turns also the revision prompt."""
+    head = (f"You write the main function of a two-agent Python team.\nProblem: {item['prompt']}\n"
+            f"Your teammate writes the helper: {item['helper_hint']}. Write `{item['entry_point']}` and call "
+            f"`{HELPER_NAME}` instead of repeating its work; do not define `{HELPER_NAME}` yourself.")
+    return _with_feedback(head, external_prompts)
+
+
+def formatters() -> list[Callable[..., str]]:
+    """The agents' formatters in actor order: `[helper_formatter, main_formatter]`."""
+    return [helper_formatter, main_formatter]
+
+
+def _with_feedback(head: str, feedback: str | None) -> str:
+    parts = [head] if feedback is None else [head, feedback.strip()]
+    return "\n\n".join(parts) + "\nAnswer with Python code only.\n"
+
+
+# ----- code extraction -----
+
+_FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]", re.MULTILINE)
+_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+\w|from[ \t]+[\w.]+[ \t]+import[ \t])")
+
+
+def extract_code(completion: str) -> str:
+    """The Python code in a model's completion: `""` when it defines no function.
+
+    Markdown fences are stripped (the first fenced block that contains a `def`, else the first block; a block
+    may be unterminated), then the text from the first line starting with `def` is kept, together with the
+    import lines right above it. Trailing lines that keep the code from parsing (prose after the code, a cut-off
+    last statement) are dropped; if no prefix parses, the text is returned as is and the sandbox reports the
+    syntax error.
+    """
+    text = completion.replace("\r\n", "\n")
+    blocks = _FENCE.findall(text)
+    if blocks:
+        text = next((block for block in blocks if _DEF.search(block)), blocks[0])
+    match = _DEF.search(text)
+    if match is None:
+        return ""
+    lines = text[:match.start()].split("\n")[:-1]
+    start = len(lines)
+    while start > 0 and (_IMPORT.match(lines[start - 1]) or not lines[start - 1].strip()):
+        start -= 1
+    imports = [line.strip() for line in lines[start:] if line.strip()]
+    indent = match.group(1)  # the first def's indentation is removed from every line that has it
+    body = [line[len(indent):] if line.startswith(indent) else line
+            for line in text[match.start():].rstrip().split("\n")]
+    for end in range(len(body), 0, -1):  # the longest prefix that parses, always with the first `def`
+        code = "\n".join(imports + body[:end])
+        if _parses(code):
+            return code
+    return "\n".join(imports + body)
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+# ----- reward -----
+
+
+def joint_program(helper_code: str, main_code: str) -> str:
+    """The program the tests run against: the helper's code, then the main agent's code."""
+    return "\n\n".join(part for part in (helper_code.strip("\n"), main_code.strip("\n")) if part) + "\n"
+
+
+def structure_bonus(main_code: str, entry_point: str) -> float:
+    """+0.1 if `main_code` defines `entry_point`, +0.1 more if that function calls the teammate's `aux`."""
+    try:
+        tree = ast.parse(main_code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return 0.0
+    functions = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    entry = next((node for node in functions if node.name == entry_point), None)
+    if entry is None:
+        return 0.0
+    defines_helper = any(node.name == HELPER_NAME for node in functions)
+    calls_helper = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == HELPER_NAME
+                       for node in ast.walk(entry))
+    return STRUCTURE_BONUS + (STRUCTURE_BONUS if calls_helper and not defines_helper else 0.0)
+
+
+def run_tests(helper_code: str, main_code: str, tests: Sequence[str]) -> SandboxResult:
+    """Run `tests` against the joint program (cached: the reward and the transition see the same programs)."""
+    return _run_cached(joint_program(helper_code, main_code), tuple(tests))
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_cached(program: str, tests: tuple[str, ...]) -> SandboxResult:
+    if not program.strip():
+        return SandboxResult(0, len(tests), ["No code: neither agent wrote a function definition"])
+    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT)
+
+
+def _run_all(programs: list[tuple[str, str]], tests: Sequence[str]) -> list[SandboxResult]:
+    """Run the tests against several (helper, main) pairs, in parallel processes."""
+    workers = max(1, min(len(programs), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda pair: run_tests(pair[0], pair[1], tests), programs))
+
+
+def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *,
+           batch_items: Sequence[dict[str, Any]]) -> list[float]:
+    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
+    item = batch_items[0]
+    helpers = [extract_code(text) for text in helper_completions]
+    mains = [extract_code(text) for text in main_completions]
+    results = _run_all(list(zip(helpers, mains)), item["tests"])
+    return [result.pass_rate + structure_bonus(main, item["entry_point"]) for result, main in zip(results, mains)]
+
+
+# ----- transition -----
+
+
+def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int,
+               prompt_history_per_agent: Sequence[Sequence[Any]], response_history_per_agent: Sequence[Sequence[str]],
+               batch_item: dict[str, Any]) -> list[str]:
+    """The next turn's revision prompts `[helper_prompt, main_prompt]` for one joint action.
+
+    Each holds the test results of the joint program (the first failing tests, truncated), the agent's own code
+    and the teammate's code, and asks for a revised function. `prompt` and `prompt_history_per_agent` are part of
+    the transition contract but not needed here.
+    """
+    if num_agents != 2:
+        raise ValueError(f"The code-feedback task has 2 agents (helper, main), got num_agents={num_agents}.")
+    helper_code, main_code = (extract_code(text) for text in agent_completions)
+    result = run_tests(helper_code, main_code, batch_item["tests"])
+    report = _test_report(result, attempt=len(response_history_per_agent[0]))
+    entry_point = batch_item["entry_point"]
+    helper_prompt = "\n".join([
+        report,
+        f"Your previous `{HELPER_NAME}`:", _listing(helper_code),
+        f"Your teammate's `{entry_point}`:", _listing(main_code),
+        f"Revise `{HELPER_NAME}` so that the joint program passes the tests.",
+    ])
+    main_prompt = "\n".join([
+        report,
+        f"Your previous `{entry_point}`:", _listing(main_code),
+        f"Your teammate's `{HELPER_NAME}`:", _listing(helper_code),
+        f"Revise `{entry_point}` so that the joint program passes the tests.",
+    ])
+    return [helper_prompt, main_prompt]
+
+
+def _test_report(result: SandboxResult, attempt: int) -> str:
+    head = f"Attempt {attempt}: the joint program passed {result.passed} of {result.total} tests."
+    if result.timed_out:
+        return head + " It ran out of time (an endless loop?)."
+    if not result.errors:
+        return head
+    return "\n".join([head, "Problems:", *(f"- {error}" for error in result.errors[:MAX_FEEDBACK_ERRORS])])
+
+
+def _listing(code: str) -> str:
+    if not code.strip():
+        return "(no function found)"
+    if len(code) > MAX_FEEDBACK_CODE_CHARS:
+        code = code[:MAX_FEEDBACK_CODE_CHARS].rstrip() + "\n# ... (cut)"
+    return f"```python\n{code}\n```"
+
+
+# ----- evaluation metrics -----
+
+
+def eval_logger(*, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]],
+                prompts: list[Any]) -> list[dict[str, float]]:
+    """Per evaluation item and turn: `turn_k/pass_rate` (tests passed) and `turn_k/solved` (all passed)."""
+    rows = []
+    for i, item in enumerate(batch_items):
+        row = {}
+        for turn, (helper_text, main_text) in enumerate(zip(agent_completions_turns[0][i],
+                                                            agent_completions_turns[1][i]), start=1):
+            result = run_tests(extract_code(helper_text), extract_code(main_text), item["tests"])
+            row[f"turn_{turn}/pass_rate"] = result.pass_rate
+            row[f"turn_{turn}/solved"] = float(result.total > 0 and result.passed == result.total)
+        rows.append(row)
+    return rows
+
+
+def eval_aggregator(rows: list[dict[str, float]], *, num_turns: int) -> dict[str, float]:
+    """The mean of every `eval_logger` metric over the evaluation items."""
+    keys = [f"turn_{turn}/{name}" for turn in range(1, num_turns + 1) for name in ("pass_rate", "solved")]
+    return {key: sum(row[key] for row in rows) / len(rows) for key in keys if rows and all(key in row for row in rows)}
