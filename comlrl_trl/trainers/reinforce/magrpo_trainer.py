@@ -44,6 +44,7 @@ from ...checkpoint import (
     tokenizer_fingerprint,
 )
 from ...formatters import build_formatters
+from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
 from ...orchestrator import JointRolloutOrchestrator
@@ -211,8 +212,8 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         if wandb_config is not None:
             self.remove_callback(WandbCallback)  # one W&B writer: ours logs the spec's keys against env_step
             self.add_callback(WandbRunCallback(wandb_config, self._run_config()))
-        if not verbose_from_wandb_config(wandb_config):
-            self.remove_callback(ProgressCallback)
+        if self.pop_callback(ProgressCallback) is not None and verbose_from_wandb_config(wandb_config):
+            self.add_callback(TeamProgressCallback())  # a bar with the joint reward instead of every key
 
     def _run_config(self) -> dict[str, Any]:
         args = self.args

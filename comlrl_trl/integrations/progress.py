@@ -1,0 +1,68 @@
+"""Readable progress for multi-agent training: one bar with the joint reward, one short line per log."""
+
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+# The metrics worth a glance, in the order they are shown.
+_HEADLINE = ("turn_1/reward_mean", "turn_1/expected_return", "loss", "turn_1/reference_kl_mean")
+
+
+class TeamProgressCallback(TrainerCallback):
+    """A progress bar over optimiser steps showing the latest joint reward, and a compact line per log.
+
+    It replaces transformers' `ProgressCallback`, which prints every logged key (dozens per agent).
+    """
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="training", unit="step",
+                            dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        line = format_log_line(logs, state.global_step)
+        if line is None:
+            return
+        if self.bar is not None:
+            reward = logs.get("turn_1/reward_mean")
+            if reward is not None:
+                self.bar.set_postfix(reward=f"{reward:.3f}", env_step=logs.get("env_step"), refresh=False)
+            self.bar.write(line)
+        else:
+            print(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def format_log_line(logs: dict, step: int) -> str | None:
+    """`step 12 | env_step 48 | reward 0.812 | ...` for training logs, `eval | ...` for evaluation logs."""
+    if any(key.startswith("eval/") for key in logs):
+        parts = [f"{key[len('eval/'):]} {value:.4g}" for key, value in logs.items()
+                 if key.startswith("eval/") and isinstance(value, (int, float))]
+        return f"eval at env_step {logs.get('env_step', '?')} | " + " | ".join(parts)
+    if "env_step" not in logs:
+        if "train_runtime" in logs:
+            return f"done in {logs['train_runtime']:.1f} s"
+        return None
+    parts = [f"step {step}", f"env_step {logs['env_step']}"]
+    parts += [f"{key.replace('/reward_mean', ' reward').replace('/expected_return', ' return')} {logs[key]:.4g}"
+              for key in _HEADLINE if key in logs]
+    turns = sorted({key.split("/")[0] for key in logs if key.startswith("turn_") and key != "turn_1"} - {"turn_1"})
+    parts += [f"{turn} reward {logs[f'{turn}/reward_mean']:.4g}" for turn in turns if f"{turn}/reward_mean" in logs]
+    return " | ".join(parts)
