@@ -1,10 +1,13 @@
 """Two processes on the CPU (gloo DDP) through torchrun: both agents are DDP-wrapped and stay in sync."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
@@ -21,5 +24,28 @@ def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
     rank0, rank1 = report["after"]
     assert rank0 == rank1  # gradients were all-reduced for every agent
     assert all(after != before for after, before in zip(rank0, report["before"]))
+    rank0_items, rank1_items = report["scored"]
+    assert sorted(rank0_items + rank1_items) == list(range(8))  # every item's joint reward computed exactly once
+    assert set(rank0_items).isdisjoint(rank1_items)
     assert report["env_step"] == 8 * 4  # 8 items split over 2 ranks, each item scored on 4 joint actions
     assert set(report["eval"]) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_deepspeed_zero_single_process(tmp_path, stage, lora):
+    """One DeepSpeed engine per agent in one process: the second Accelerator must not take a plugin."""
+    script = Path(__file__).parent / "scripts" / "deepspeed_smoke.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script),
+               str(tmp_path), *(["lora"] if lora else [])]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    report = json.loads(line[len("RESULT "):])
+    assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
+    assert report["engine_steps"] == [4, 4] and report["steps"] == 4
+    for norms in report["grad_norms"]:
+        assert len(norms) == 4 and all(0 < n < float("inf") for n in norms)

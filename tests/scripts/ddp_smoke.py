@@ -11,12 +11,16 @@ from comlrl_trl.testing import tiny_model_path
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
+SCORED = []  # the task items this rank scored
+
+
 def reward(first, second, *, batch_items):
+    SCORED.append(batch_items[0]["idx"])
     return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
 
 
 def main(output_dir: str) -> None:
-    dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(8)]})
+    dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(8)], "idx": list(range(8))})
     config = MAGRPOConfig(output_dir=output_dir, num_generations=4, max_new_tokens=6, learning_rate=0.05,
                           logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
                           eval_interval=0)
@@ -24,13 +28,15 @@ def main(output_dir: str) -> None:
                             eval_dataset=dataset.select(range(2)), args=config)
     before = [sum(p.sum().item() for p in model.parameters()) for model in trainer.agents]
     trainer.train()
+    scored = [None] * dist.get_world_size()
+    dist.all_gather_object(scored, SCORED)
     after = [sum(p.detach().double().sum().item() for p in model.parameters()) for model in trainer.agents]
-    metrics = trainer.evaluate(num_eval_samples=2)
+    metrics = trainer.evaluate(num_eval_samples=2)  # (after `scored`: evaluation also calls the reward)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, after)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"world": dist.get_world_size(), "before": before, "after": gathered,
-                                      "env_step": trainer.env_step, "eval": metrics,
+                                      "env_step": trainer.env_step, "eval": metrics, "scored": scored,
                                       "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team], "dist": str(trainer.accelerator.distributed_type)}))
 
 
