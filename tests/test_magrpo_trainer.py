@@ -255,3 +255,18 @@ def test_iterable_datasets_train_and_evaluate(qwen_path, prompts_dataset, make_c
     seen.clear()
     assert set(trainer.evaluate(num_eval_samples=2)) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
     assert seen == [0, 1]
+
+
+def test_lora_agents_share_the_frozen_base_weights(qwen_path, prompts_dataset, make_config):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(max_steps=2), peft_config=lora)
+    first, second = (dict(model.named_parameters()) for model in trainer.agents)
+    frozen = [name for name, p in first.items() if not p.requires_grad]
+    assert frozen and all(first[n].data_ptr() == second[n].data_ptr() for n in frozen)  # one copy in memory
+    adapters = [name for name, p in first.items() if p.requires_grad]
+    assert adapters and all(first[n].data_ptr() != second[n].data_ptr() for n in adapters)
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert all(changed(before[i], model) == set(before[i]) for i, model in enumerate(trainer.agents))
+    assert all(torch.equal(first[n], second[n]) for n in frozen)

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
@@ -171,6 +172,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             for i in range(1, n)
         ]
         self._team = [self, *followers]
+        self._share_frozen_base_weights()
         self.formatters = formatter_list
         self.eval_dataset = eval_dataset
         self.eval_logger = eval_logger
@@ -206,6 +208,25 @@ class MAGRPOTrainer(AgentGRPOTrainer):
     def tokenizers(self) -> list[PreTrainedTokenizerBase]:
         """The agents' tokenizers, in actor order."""
         return [agent.processing_class for agent in self._team]
+
+    def _share_frozen_base_weights(self) -> None:
+        """LoRA agents on the same base model keep one copy of its frozen weights instead of N.
+
+        The base weights of a PEFT model never change (only adapters train, and the reference is the base with
+        the adapter disabled), so agents whose frozen parameters are equal can point at the same tensors. Skipped
+        under DeepSpeed and FSDP, which own parameter storage.
+        """
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not is_peft_model(self.model):
+            return
+        shared = {name: p for name, p in self.model.named_parameters() if not p.requires_grad}
+        for follower in self._team[1:]:
+            if not is_peft_model(follower.model):
+                continue
+            for name, p in follower.model.named_parameters():
+                base = shared.get(name)
+                if (not p.requires_grad and base is not None and base.shape == p.shape and base.dtype == p.dtype
+                        and base.device == p.device and torch.equal(base, p)):
+                    p.data = base.data
 
     def _setup_callbacks(self, wandb_config):
         self.add_callback(_TeamCallback(self))
