@@ -122,6 +122,10 @@ def test_summarize_reward_components():
     # Off-topic text with a ratio in [1.5, 4] earns exactly the structure share, 0.4.
     assert summarize.reward(["one two three"], ["one two three four five six"], batch_items=[item]) == [
         pytest.approx(0.4)]
+    assert summarize.reward(["one two three"], ["one two three"], batch_items=[item]) == [
+        pytest.approx(0.4 * math.exp(-0.5))]  # ratio 1: 0.5 below 1.5
+    assert summarize.reward(["one two three"], ["one two three"], batch_items=[{**item, "ratio_min": 1.0}]) == [
+        pytest.approx(0.4)]  # an item's bounds override the defaults
     # A verbatim span of the paragraph costs the fraction of 8-grams it copies.
     span = "she returns to the hive and performs a waggle dance"  # 10 words: 3 copied 8-grams
     clean = summarize.reward([HONEYBEE_TLDR], [HONEYBEE_SUMMARY], batch_items=[item])[0]
