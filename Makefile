@@ -10,7 +10,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-demo test test-slow demo lint clean
+.PHONY: install install-demo test test-slow demo bench lint clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,9 +36,13 @@ test: install
 test-slow: install-demo
 	$(PY) -m pytest -q -m slow
 
-## The main job: two agents learn the length-ratio task
+## The main job: two LoRA agents of the embedded SmolLM2 learn the length-ratio task
 demo: install-demo
-	$(PY) examples/story-len-ratio.py
+	$(VENV)/bin/accelerate launch recipes/magrpo.py
+
+## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL; writes benchmarks/results/
+bench: install-demo
+	$(PY) benchmarks/bench.py
 
 lint: install
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check comlrl_trl tests examples
