@@ -1,0 +1,190 @@
+"""Speed and memory of comlrl_trl MAGRPO against the peer (CoMLRL 1.4.3) and against plain TRL GRPO.
+
+    python benchmarks/bench.py                    # everything (about 10-15 minutes on 2 CPU cores)
+    python benchmarks/bench.py --quick            # the tiny model only
+    python benchmarks/bench.py --gpu              # on a GPU machine: a random-weight 0.5B-size model, bf16
+
+Each measurement is a fresh process (`benchmarks/workers.py`) that trains for one epoch and reports the training
+wall time (generation included, loading excluded) and its own peak RSS; the table shows medians over `--repeats`
+runs. The peer runs in its own virtual environment (`benchmarks/.peer-venv`, created on first use with the same
+torch build). Results go to `benchmarks/results/bench-<date>.json` and a chart `benchmarks/results/bench.png`.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEER_VENV = HERE / ".peer-venv"
+PEER_PYTHON = PEER_VENV / "bin" / "python"
+TORCH = "torch==2.13.0"
+
+
+def ensure_peer_venv() -> None:
+    """Create the peer's virtual environment once: the same CPU torch first, then comlrl==1.4.3."""
+    if PEER_PYTHON.exists() and subprocess.run([str(PEER_PYTHON), "-c", "import comlrl"],
+                                               capture_output=True).returncode == 0:
+        return
+    print("creating the peer's virtual environment (comlrl==1.4.3), about a minute ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+    pip = [str(PEER_PYTHON), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [TORCH], check=True)
+    subprocess.run(pip + [TORCH, "comlrl==1.4.3"], check=True)
+
+
+def measure(system: str, settings: dict, repeats: int) -> dict:
+    """Median of `repeats` fresh-process runs of one system."""
+    python = str(PEER_PYTHON) if system == "peer" else sys.executable
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings["threads"]), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = "" if system == "peer" else str(ROOT)
+    runs = []
+    for _ in range(repeats):
+        result = subprocess.run([python, str(HERE / "workers.py"), system, json.dumps(settings)], env=env,
+                                capture_output=True, text=True, timeout=1800)
+        line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if result.returncode != 0 or line is None:
+            raise RuntimeError(f"{system} failed ({settings}):\n{result.stderr[-3000:]}")
+        runs.append(json.loads(line[len("RESULT "):]))
+    keys = ("joint_samples_per_s", "seconds_per_step", "peak_rss_mb", "seconds")
+    return {key: statistics.median(run[key] for run in runs) for key in keys} | {"runs": runs}
+
+
+def model_paths(include_demo: bool) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from comlrl_trl.testing import tiny_model_path
+
+    paths = {"tiny": tiny_model_path("qwen2")}
+    if include_demo:
+        from comlrl_trl.models import demo_model_path
+
+        paths["smollm2"] = demo_model_path()
+    return paths
+
+
+def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, system, settings) of every measurement."""
+    base = dict(threads=1, lora=False, output_dir="/tmp/comlrl-trl-bench", items_per_step=2)
+    rows = []
+    tiny = dict(base, model=paths["tiny"], tokens=16, items=16)
+    for system in ("ours", "peer"):  # the headline comparison, then the scaling sweep
+        for agents in (1, 2, 4):
+            for k in (2, 4, 8):
+                rows.append((f"tiny N={agents} K={k}", system, dict(tiny, agents=agents, k=k)))
+    rows.append(("tiny N=1 K=4", "trl", dict(tiny, agents=1, k=4)))
+    if not quick and "smollm2" in paths:
+        smol = dict(base, model=paths["smollm2"], tokens=16, items=4)
+        rows += [("smollm2 N=2 K=4 full", "ours", dict(smol, agents=2, k=4)),
+                 ("smollm2 N=2 K=4 full", "peer", dict(smol, agents=2, k=4)),
+                 ("smollm2 N=2 K=4 lora", "ours", dict(smol, agents=2, k=4, lora=True)),
+                 ("smollm2 N=1 K=4 full", "ours", dict(smol, agents=1, k=4)),
+                 ("smollm2 N=1 K=4 full", "trl", dict(smol, agents=1, k=4))]
+    return rows
+
+
+def summarize(results: list[dict]) -> dict:
+    """Ratios for the targets: throughput vs the peer, memory vs the peer, overhead vs TRL, scaling in N."""
+    by = {(r["label"], r["system"]): r for r in results}
+    out = {}
+    for model in ("tiny", "smollm2"):
+        ours, peer = by.get((f"{model} N=2 K=4 full", "ours")) or by.get((f"{model} N=2 K=4", "ours")), \
+            by.get((f"{model} N=2 K=4 full", "peer")) or by.get((f"{model} N=2 K=4", "peer"))
+        if ours and peer:
+            out[f"{model}: throughput ours/peer (N=2, K=4; target >= 3)"] = \
+                ours["joint_samples_per_s"] / peer["joint_samples_per_s"]
+        one, trl = by.get((f"{model} N=1 K=4 full", "ours")) or by.get((f"{model} N=1 K=4", "ours")), \
+            by.get((f"{model} N=1 K=4 full", "trl")) or by.get((f"{model} N=1 K=4", "trl"))
+        if one and trl:
+            out[f"{model}: time per step ours/TRL (N=1; target <= 1.15)"] = \
+                one["seconds_per_step"] / trl["seconds_per_step"]
+    lora, peer = by.get(("smollm2 N=2 K=4 lora", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))
+    if lora and peer:
+        out["smollm2: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = lora["peak_rss_mb"] / peer["peak_rss_mb"]
+    for system in ("ours", "peer"):
+        steps = [by.get((f"tiny N={n} K=4", system)) for n in (1, 2, 4)]
+        if all(steps):
+            out[f"tiny: time per step N=4 / N=1, {system} (linear would be 4)"] = \
+                steps[2]["seconds_per_step"] / steps[0]["seconds_per_step"]
+    return out
+
+
+def print_table(results: list[dict], ratios: dict) -> None:
+    header = f"{'setting':<24} {'system':<6} {'joint samples/s':>16} {'s/step':>8} {'peak RSS MB':>12}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in results:
+        print(f"{r['label']:<24} {r['system']:<6} {r['joint_samples_per_s']:>16.1f} {r['seconds_per_step']:>8.3f} "
+              f"{r['peak_rss_mb']:>12.0f}")
+    print()
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+
+
+def chart(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for system, marker in (("ours", "o"), ("peer", "s")):
+        for n, style in ((1, ":"), (2, "-"), (4, "--")):
+            points = [(r["settings"]["k"], r["seconds_per_step"]) for r in results
+                      if r["system"] == system and r["label"].startswith(f"tiny N={n} ")]
+            if points:
+                ks, seconds = zip(*sorted(points))
+                left.plot(ks, seconds, marker=marker, linestyle=style, label=f"{system} N={n}")
+    left.set(xlabel="K generations per agent", ylabel="seconds per optimiser step", title="tiny model: cost vs N, K",
+             xscale="log", yscale="log")
+    left.set_xticks([2, 4, 8], labels=["2", "4", "8"])
+    left.legend(fontsize=7)
+    headline = [r for r in results if r["label"].startswith("smollm2") or r["label"] == "tiny N=2 K=4"]
+    labels = [f"{r['label']}\n{r['system']}" for r in headline]
+    right.barh(labels, [r["joint_samples_per_s"] for r in headline], color="tab:blue")
+    right.set(xlabel="joint samples per second (higher is better)", title="throughput")
+    right.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model only")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    parser.add_argument("--gpu", action="store_true", help="run the GPU variant (benchmarks/gpu.py)")
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    args = parser.parse_args()
+    if args.gpu:
+        os.execv(sys.executable, [sys.executable, str(HERE / "gpu.py")])
+
+    ensure_peer_venv()
+    paths = model_paths(include_demo=not args.quick)
+    results = []
+    for label, system, settings in plan(paths, args.quick):
+        repeats = args.repeats if label.startswith("tiny") else max(1, args.repeats - 1)
+        print(f"measuring {label:<24} {system:<5} ...", end=" ", flush=True)
+        result = measure(system, settings, repeats)
+        print(f"{result['joint_samples_per_s']:.1f} joint samples/s, {result['peak_rss_mb']:.0f} MB", flush=True)
+        results.append({"label": label, "system": system, "settings": settings, **result})
+    ratios = summarize(results)
+    print_table(results, ratios)
+    out_dir = HERE / "results"
+    out_dir.mkdir(exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    json_path = args.json or out_dir / f"bench-{stamp}.json"
+    json_path.write_text(json.dumps({"date": stamp, "machine": platform.platform(), "cpus": os.cpu_count(),
+                                     "ratios": ratios, "results": results}, indent=2))
+    chart(results, out_dir / "bench.png")
+    print(f"\nresults: {json_path}\nchart: {out_dir / 'bench.png'}")
+
+
+if __name__ == "__main__":
+    main()

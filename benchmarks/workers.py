@@ -1,0 +1,151 @@
+"""One benchmark measurement per process: `python workers.py {ours|peer|trl} JSON_SETTINGS` prints one JSON line.
+
+Every system trains the same model on the same prompts with the same N agents, K generations per agent,
+completion length (generation is forced to exactly `tokens` new tokens, so that no system wins by stopping
+early), task items per optimiser step (`items_per_step`) and torch threads. Only `train()` is timed; loading is
+not.
+The `peer` worker runs in the peer's own virtual environment (comlrl 1.4.3) and imports nothing from this repo.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def prompts(count):
+    return [f"Task {i}: write a short note about topic number {i}." for i in range(count)]
+
+
+def reward(*agent_completions, **kwargs):
+    """A cheap joint reward with variance inside every group: total characters modulo 7."""
+    return [float(sum(len(text) for text in joint) % 7) for joint in zip(*agent_completions)]
+
+
+class StepClock:
+    """Timestamps of the optimiser steps, so that the first step (optimizer state allocation, warm-up) can be
+    left out of the steady-state numbers for every system alike."""
+
+    def __init__(self):
+        self.times = []
+
+    def tick(self):
+        self.times.append(time.perf_counter())
+
+    def steady(self, start, end, total_steps):
+        """Seconds and steps after the first optimiser step (all of the run when it has a single step)."""
+        if total_steps < 2 or not self.times:
+            return end - start, total_steps
+        return end - self.times[0], total_steps - 1
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_ours(s):
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    config = MAGRPOConfig(
+        output_dir=s["output_dir"], num_agents=s["agents"], num_generations=s["k"], max_new_tokens=s["tokens"],
+        per_device_train_batch_size=s["k"] * s["items_per_step"], generation_kwargs={"min_new_tokens": s["tokens"]}, learning_rate=1e-5, num_train_epochs=1,
+        logging_steps=10**9, eval_interval=0, report_to="none", gradient_checkpointing=False, disable_tqdm=True,
+        seed=0,
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    clock = StepClock()
+    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
+                            train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
+                            peft_config=lora if s["lora"] else None, callbacks=[_ClockCallback(clock)])
+    start = time.perf_counter()
+    trainer.train()
+    return start, time.perf_counter(), trainer.state.global_step, clock
+
+
+def run_trl(s):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    assert s["agents"] == 1, "plain TRL trains one policy"
+    config = GRPOConfig(
+        output_dir=s["output_dir"], num_generations=s["k"], per_device_train_batch_size=s["k"] * s["items_per_step"],
+        max_completion_length=s["tokens"], generation_kwargs={"min_new_tokens": s["tokens"]}, learning_rate=1e-5,
+        num_train_epochs=1, logging_steps=10**9, report_to="none", gradient_checkpointing=False, disable_tqdm=True,
+        shuffle_dataset=False, save_strategy="no", use_cpu=True, bf16=False, seed=0,
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    def trl_reward(completions, **kwargs):
+        return reward(completions)
+
+    clock = StepClock()
+    trainer = GRPOTrainer(model=s["model"], reward_funcs=trl_reward,
+                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
+                          peft_config=lora if s["lora"] else None, callbacks=[_ClockCallback(clock)])
+    start = time.perf_counter()
+    trainer.train()
+    return start, time.perf_counter(), trainer.state.global_step, clock
+
+
+def run_peer(s):
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    from datasets import Dataset
+
+    assert not s["lora"], "the peer has no LoRA support"
+    config = MAGRPOConfig(
+        num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"], max_new_tokens=s["tokens"],
+        agent_learning_rate=1e-5, rollout_buffer_size=s["items_per_step"], train_batch_size=s["items_per_step"],
+        eval_interval=0,
+        logging_steps=10**9, temperature=1.0, top_p=1.0, top_k=None, agent_devices="cpu",
+    )
+    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
+                            train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
+    clock = StepClock()
+    last = trainer.optimizers[-1]  # agents update in turn: a team step ends with the last agent's update
+    original_step = last.step
+
+    def timed_step(*args, **kwargs):
+        result = original_step(*args, **kwargs)
+        clock.tick()
+        return result
+
+    last.step = timed_step
+    start = time.perf_counter()
+    trainer.train(min_new_tokens=s["tokens"])  # extra keywords go to generate()
+    return start, time.perf_counter(), len(clock.times), clock
+
+
+def _ClockCallback(clock):
+    from transformers import TrainerCallback
+
+    class ClockCallback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick()
+
+    return ClockCallback()
+
+
+def main():
+    system, settings = sys.argv[1], json.loads(sys.argv[2])
+    import torch
+
+    torch.set_num_threads(settings["threads"])
+    start, end, steps, clock = {"ours": run_ours, "peer": run_peer, "trl": run_trl}[system](settings)
+    steady_seconds, steady_steps = clock.steady(start, end, steps)
+    joint_per_step = settings["items_per_step"] * settings["k"]  # aligned joint actions scored per step
+    print("RESULT " + json.dumps({
+        "seconds": end - start, "steps": steps, "steady_seconds": steady_seconds,
+        "joint_samples_per_s": joint_per_step * steady_steps / steady_seconds,
+        "seconds_per_step": steady_seconds / steady_steps, "peak_rss_mb": peak_rss_mb(),
+    }))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    main()
