@@ -27,6 +27,7 @@ from typing import Literal
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
+from comlrl_trl.joint_reward import accepts_keyword
 from comlrl_trl.plotting import plot_reward_curve
 from comlrl_trl.trainers.reinforce import (
     MAGRPOConfig,
@@ -80,6 +81,11 @@ class RecipeArguments:
         metadata={"help": "One model id or path per agent (heterogeneous team); default: --model_name_or_path "
                           "for every agent, or the embedded SmolLM2 demo model."},
     )
+    chat: bool = field(
+        default=True,
+        metadata={"help": "Send each agent's prompt as a user message, so the tokenizer's chat template applies "
+                          "(instruct models then answer and stop); false sends the plain text."},
+    )
     max_train_items: int | None = field(default=None, metadata={"help": "Use only the first N training items."})
     plot: bool = field(default=True, metadata={"help": "Write reward_curve.png into output_dir."})
 
@@ -107,7 +113,7 @@ def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig)
     transition = task.transition if config.num_turns > 1 else None
     trainer = TRAINERS[recipe.algorithm](
         agents=agents,
-        formatters=task.formatters(),
+        formatters=[_as_chat(f) for f in task.formatters()] if recipe.chat else task.formatters(),
         reward_func=task.reward,
         external_transition=transition,
         train_dataset=train_dataset,
@@ -120,6 +126,18 @@ def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig)
     final_eval = trainer.evaluate(num_eval_samples=len(eval_dataset))
     trainer.save_model(os.path.join(config.output_dir, "models"))
     return _report(trainer, recipe, config, final_eval, time.perf_counter() - started)
+
+
+def _as_chat(formatter):
+    """Wrap a text formatter so that its prompt becomes one user message (keeping `external_prompts`)."""
+
+    def chat_formatter(item, external_prompts=None):
+        text = formatter(item) if external_prompts is None else formatter(item, external_prompts=external_prompts)
+        return [{"role": "user", "content": text}]
+
+    if not accepts_keyword(formatter, "external_prompts"):
+        return lambda item: [{"role": "user", "content": formatter(item)}]
+    return chat_formatter
 
 
 def _default_model(model_args: ModelConfig) -> str:
