@@ -38,7 +38,7 @@ test-slow: install-demo
 
 ## The main job: two LoRA agents of the embedded SmolLM2 learn the length-ratio task
 demo: install-demo
-	$(VENV)/bin/accelerate launch recipes/magrpo.py
+	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py
 
 ## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL; writes benchmarks/results/
 bench: install-demo

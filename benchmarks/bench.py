@@ -50,7 +50,7 @@ def measure(system: str, settings: dict, repeats: int) -> dict:
     for _ in range(repeats):
         result = subprocess.run([python, str(HERE / "workers.py"), system, json.dumps(settings)], env=env,
                                 capture_output=True, text=True, timeout=1800)
-        line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((out for out in result.stdout.splitlines() if out.startswith("RESULT ")), None)
         if result.returncode != 0 or line is None:
             raise RuntimeError(f"{system} failed ({settings}):\n{result.stderr[-3000:]}")
         runs.append(json.loads(line[len("RESULT "):]))
@@ -81,7 +81,7 @@ def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
                 rows.append((f"tiny N={agents} K={k}", system, dict(tiny, agents=agents, k=k)))
     rows.append(("tiny N=1 K=4", "trl", dict(tiny, agents=1, k=4)))
     if not quick and "smollm2" in paths:
-        smol = dict(base, model=paths["smollm2"], tokens=16, items=4)
+        smol = dict(base, model=paths["smollm2"], tokens=16, items=6)
         rows += [("smollm2 N=2 K=4 full", "ours", dict(smol, agents=2, k=4)),
                  ("smollm2 N=2 K=4 full", "peer", dict(smol, agents=2, k=4)),
                  ("smollm2 N=2 K=4 lora", "ours", dict(smol, agents=2, k=4, lora=True)),
@@ -158,7 +158,8 @@ def chart(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model only")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per tiny-model measurement (median)")
+    parser.add_argument("--demo-repeats", type=int, default=1, help="runs per SmolLM2 measurement (long, stable)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU variant (benchmarks/gpu.py)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     args = parser.parse_args()
@@ -169,7 +170,7 @@ def main() -> None:
     paths = model_paths(include_demo=not args.quick)
     results = []
     for label, system, settings in plan(paths, args.quick):
-        repeats = args.repeats if label.startswith("tiny") else max(1, args.repeats - 1)
+        repeats = args.repeats if label.startswith("tiny") else args.demo_repeats
         print(f"measuring {label:<24} {system:<5} ...", end=" ", flush=True)
         result = measure(system, settings, repeats)
         print(f"{result['joint_samples_per_s']:.1f} joint samples/s, {result['peak_rss_mb']:.0f} MB", flush=True)

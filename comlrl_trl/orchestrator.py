@@ -181,7 +181,7 @@ class JointRolloutOrchestrator:
         batches = []
         for turn, (nodes, prompts, rollouts, _) in enumerate(turns):
             local_returns = []
-            for node, node_returns in zip(nodes, returns[turn]):
+            for node_returns in returns[turn]:
                 local_returns.extend(completion_returns(node_returns, self.joint_indices, len(self.agents),
                                                         self.args.num_generations)[a])
             rows = [{**node.item, "prompt": prompt}

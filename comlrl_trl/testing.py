@@ -44,6 +44,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+
 __all__ = [
     "ModelKind",
     "CACHE_VERSION",

@@ -45,15 +45,16 @@ ADVANTAGE_MODES = {"magrpo": "mean", "mareinforce": "raw", "marloo": "rloo", "ma
 # The defaults of a bare `accelerate launch recipes/magrpo.py`: the demo that finishes in minutes on 2 CPU cores.
 DEMO_DEFAULTS = dict(
     output_dir="outputs/magrpo-length-ratio",
-    num_train_epochs=6,
+    num_train_epochs=2,
     num_generations=4,
     max_new_tokens=48,
     temperature=1.0,
-    learning_rate=2e-4,
+    learning_rate=1e-3,
     lr_scheduler_type="constant",
     logging_steps=4,
-    eval_interval=6,
-    eval_num_samples=6,
+    eval_interval=8,
+    eval_num_samples=4,
+    eval_batch_size=4,
     gradient_checkpointing=False,
     report_to="none",
     seed=0,
@@ -61,7 +62,7 @@ DEMO_DEFAULTS = dict(
     lora_r=16,
     lora_alpha=32,
     lora_dropout=0.0,
-    lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    lora_target_modules=["q_proj", "v_proj"],
 )
 
 

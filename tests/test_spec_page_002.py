@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from helpers import snapshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import ProgressCallback
 
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
-
-from helpers import snapshot
 
 
 # Settings every training config in this file adds to the snippet's own (see the module docstring).

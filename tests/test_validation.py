@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
+from helpers import length_ratio_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
@@ -14,8 +15,6 @@ from comlrl_trl.formatters import build_formatters, default_formatter, format_pr
 from comlrl_trl.joint_reward import JointReward, accepts_keyword
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
-
-from helpers import length_ratio_reward
 
 
 @pytest.fixture(scope="module")

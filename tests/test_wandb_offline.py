@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
+from helpers import length_ratio_reward
 
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
-
-from helpers import length_ratio_reward
 
 
 wandb = pytest.importorskip("wandb")

@@ -39,6 +39,7 @@ from typing import Literal, get_args
 
 import torch
 
+
 AdvantageMode = Literal["mean", "raw", "max", "rloo"]
 ScaleMode = Literal["group", "batch", "none"]
 

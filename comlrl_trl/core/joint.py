@@ -21,7 +21,9 @@ return over the joint actions that completion takes part in::
 from __future__ import annotations
 
 import itertools
-from typing import Literal, Sequence, get_args
+from collections.abc import Sequence
+from typing import Literal, get_args
+
 
 JointMode = Literal["align", "cross"]
 

@@ -5,6 +5,7 @@ import torch
 
 from comlrl_trl.core.advantages import group_advantages
 
+
 # Two groups of K=4: [1, 2, 3, 6] (mean 3, sum 12) and [0, 0, 4, 4] (mean 2, sum 8).
 RETURNS = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 4.0, 4.0])
 K = 4

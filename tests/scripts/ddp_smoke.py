@@ -3,7 +3,6 @@
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 from datasets import Dataset
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
-from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer import TRAINER_STATE_NAME
