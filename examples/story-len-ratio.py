@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
+from comlrl_trl.models import default_model_path
 
 
 def proper_length_ratio_reward(completions1, completions2, target_min=2.0, target_max=3.0):
@@ -35,7 +36,7 @@ def proper_length_ratio_reward(completions1, completions2, target_min=2.0, targe
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
-                        help="Model id or local path (default: the tiny offline model of comlrl_trl.testing).")
+                        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).")
     parser.add_argument("--output-dir", default="./outputs/story-len-ratio")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -49,11 +50,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    model_name = args.model
-    if model_name is None:
-        from comlrl_trl.testing import tiny_model_path
-
-        model_name = tiny_model_path("qwen2")
+    model_name = args.model or default_model_path()
     output_dir = args.output_dir
 
     train_dataset = Dataset.from_dict({"prompt": [

@@ -232,11 +232,11 @@ def test_magrpo_trains_on_the_task_with_feedback(qwen_path, make_config):
     assert "turn_1/reward_mean" in logs[-1] and "turn_2/reward_mean" in logs[-1]
 
 
-def test_example_script_runs(tmp_path):
+def test_example_script_runs(tmp_path, qwen_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--max-steps", "1", "--max-new-tokens", "8", "--num-generations", "2",
-         "--output-dir", str(tmp_path / "out")],
+         "--output-dir", str(tmp_path / "out"), "--model", qwen_path],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -52,12 +52,12 @@ def test_story_len_ratio_reward_matches_the_tutorial():
     assert reward(["ab"], ["abcde"]) == [1.0]
 
 
-def test_story_len_ratio_runs_and_saves_both_agents(tmp_path):
+def test_story_len_ratio_runs_and_saves_both_agents(tmp_path, qwen_path):
     out = tmp_path / "tmp"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, str(STORY), "--epochs", "1", "--max-new-tokens", "8", "--num-generations", "2",
-         "--output-dir", str(out)],
+         "--output-dir", str(out), "--model", qwen_path],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

