@@ -145,11 +145,19 @@ def chart(results: list[dict], path: Path) -> None:
              xscale="log", yscale="log")
     left.set_xticks([2, 4, 8], labels=["2", "4", "8"])
     left.legend(fontsize=7)
-    headline = [r for r in results if r["label"].startswith("smollm2") or r["label"] == "tiny N=2 K=4"]
-    labels = [f"{r['label']}\n{r['system']}" for r in headline]
-    right.barh(labels, [r["joint_samples_per_s"] for r in headline], color="tab:blue")
-    right.set(xlabel="joint samples per second (higher is better)", title="throughput")
-    right.tick_params(axis="y", labelsize=7)
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    by = {(r["label"], r["system"]): r["joint_samples_per_s"] for r in results}
+    bars = [(f"tiny N={n} K=4", by.get((f"tiny N={n} K=4", "ours")), by.get((f"tiny N={n} K=4", "peer")))
+            for n in (1, 2, 4)]
+    bars += [("smollm2 N=2 K=4 full", by.get(("smollm2 N=2 K=4 full", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))),
+             ("smollm2 N=2 K=4 LoRA\n(peer: full)", by.get(("smollm2 N=2 K=4 lora", "ours")),
+              by.get(("smollm2 N=2 K=4 full", "peer")))]
+    bars = [(label, ours / peer) for label, ours, peer in bars if ours and peer]
+    right.barh([label for label, _ in bars], [ratio for _, ratio in bars], color="tab:blue")
+    right.axvline(1.0, color="gray", linewidth=1)
+    right.axvline(3.0, color="tab:red", linestyle="--", linewidth=1, label="target 3x")
+    right.set(xlabel="throughput ours / peer (joint samples per second)", title="speed-up over CoMLRL 1.4.3")
+    right.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -162,7 +170,13 @@ def main() -> None:
     parser.add_argument("--demo-repeats", type=int, default=1, help="runs per SmolLM2 measurement (long, stable)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU variant (benchmarks/gpu.py)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    parser.add_argument("--replot", type=Path, default=None, help="redraw the chart and table of a results JSON")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        print_table(saved["results"], saved["ratios"])
+        chart(saved["results"], args.replot.parent / "bench.png")
+        return
     if args.gpu:
         os.execv(sys.executable, [sys.executable, str(HERE / "gpu.py")])
 
