@@ -18,6 +18,7 @@ from helpers import snapshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import ProgressCallback
 
+from comlrl_trl.integrations.progress import TeamProgressCallback
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
 
@@ -223,13 +224,15 @@ def test_wandb_config_snippet_is_accepted(qwen_path, tmp_path):
     trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
                             train_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
                             wandb_config=wandb_config)
-    # config_sections.output.verbose controls trainer progress output.
-    assert any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks)
+    # config_sections.output.verbose controls trainer progress output (our bar replaces transformers' one).
+    callbacks = trainer.callback_handler.callbacks
+    assert any(isinstance(cb, TeamProgressCallback) for cb in callbacks)
+    assert not any(isinstance(cb, ProgressCallback) for cb in callbacks)
     quiet = {**wandb_config, "config_sections": {"output": {"verbose": False}}}
     trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
                             train_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
                             wandb_config=quiet)
-    assert not any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks)
+    assert not any(isinstance(cb, (ProgressCallback, TeamProgressCallback)) for cb in trainer.callback_handler.callbacks)
 
 
 def test_custom_metrics(qwen_path, tmp_path):
