@@ -12,9 +12,9 @@ before and after training.
 
 import argparse
 
+from comlrl_trl.models import default_model_path
 from comlrl_trl.tasks import code_feedback as task
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
-from comlrl_trl.models import default_model_path
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,9 +14,9 @@ from functools import partial
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from comlrl_trl.models import default_model_path
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
-from comlrl_trl.models import default_model_path
 
 
 def proper_length_ratio_reward(completions1, completions2, target_min=2.0, target_max=3.0):
