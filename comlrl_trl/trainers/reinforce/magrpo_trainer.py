@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import gather_object, is_peft_model
 from datasets import Dataset, IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
@@ -341,15 +341,20 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             follower._buffered_inputs = split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation)
         self.env_step += rollout.env_steps
         for turn, (rewards, returns) in enumerate(zip(rollout.turn_rewards, rollout.turn_returns), start=1):
-            self._joint_metrics[f"turn_{turn}/reward_mean"].extend(self._gather_floats(rewards))
-            self._joint_metrics[f"turn_{turn}/expected_return"].extend(self._gather_floats(returns))
+            self._joint_metrics[f"turn_{turn}/reward_mean"].extend(self._gather_lists(rewards))
+            self._joint_metrics[f"turn_{turn}/expected_return"].extend(self._gather_lists(returns))
         for turn, kl in enumerate(rollout.turn_reference_kl, start=1):
             self._joint_metrics[f"turn_{turn}/reference_kl_mean"].append(kl)
             self._joint_metrics[f"turn_{turn}/reference_kl_penalty_mean"].append(self.beta * kl)
         return rollout.agent_batches[0]
 
-    def _gather_floats(self, values: list[float]) -> list[float]:
-        return self.accelerator.gather_for_metrics(list(values), use_gather_object=True)
+    def _gather_lists(self, values: list) -> list:
+        """Concatenate a list from every process, in process order.
+
+        Plain `gather_object`, not `gather_for_metrics`: the latter trims to the remainder of whichever data
+        loader is at its end (the training loader, during a rollout), which would drop real values here.
+        """
+        return gather_object(list(values))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         slot = self._step % self.args.steps_per_generation  # the buffered micro-batch every agent trains on now
@@ -578,15 +583,15 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 agent.model.train(was_training)
                 agent._metrics["eval"].clear()
         metrics = {}
-        all_rewards = self._gather_floats(rewards)
-        all_returns = self._gather_floats(returns)
+        all_rewards = self._gather_lists(rewards)
+        all_returns = self._gather_lists(returns)
         for turn in range(self.args.num_turns):
             metrics[f"eval/turn_{turn + 1}/reward_mean"] = sum(r[turn] for r in all_rewards) / len(all_rewards)
             metrics[f"eval/turn_{turn + 1}/expected_return"] = sum(r[turn] for r in all_returns) / len(all_returns)
         if self.eval_logger is not None:
             rows = self.eval_logger(agent_completions_turns=completions, batch_items=local,
                                     prompts=[item.get("prompt") for item in local])
-            all_rows = self.accelerator.gather_for_metrics(list(rows), use_gather_object=True)
+            all_rows = self._gather_lists(rows)
             custom = self.eval_aggregator(all_rows, num_turns=self.args.num_turns)
             metrics.update({f"eval/{key}": value for key, value in custom.items()})
         self.log({"env_step": self.env_step, **metrics})
