@@ -7,6 +7,7 @@ import torch.nn.functional as F
 # Per-token tensors of a scored GRPO batch, padded on the right along the completion axis.
 _COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps", "tool_mask")
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # padded on the left
+_ROW_KEYS = ("advantages", "old_values", "value_targets")  # one value per row
 
 
 def concat_scored_batches(batches: list[dict], pad_token_id: int) -> dict:
@@ -20,11 +21,11 @@ def concat_scored_batches(batches: list[dict], pad_token_id: int) -> dict:
     for batch in batches[1:]:
         if set(batch) != keys:
             raise ValueError(f"Cannot join scored batches with different fields: {sorted(keys)} vs {sorted(batch)}.")
-    unknown = keys - set(_COMPLETION_KEYS) - set(_PROMPT_KEYS) - {"advantages", "num_items_in_batch"}
+    unknown = keys - set(_COMPLETION_KEYS) - set(_PROMPT_KEYS) - set(_ROW_KEYS) - {"num_items_in_batch"}
     if unknown:
         raise ValueError(f"Multi-turn batches do not support the fields {sorted(unknown)} (e.g. images or vLLM).")
-    out = {"advantages": torch.cat([b["advantages"] for b in batches]),
-           "num_items_in_batch": sum(b["num_items_in_batch"] for b in batches)}
+    out = {key: torch.cat([b[key] for b in batches]) for key in _ROW_KEYS if key in keys}
+    out["num_items_in_batch"] = sum(b["num_items_in_batch"] for b in batches)
     for key in _PROMPT_KEYS:
         width = max(b[key].shape[1] for b in batches)
         value = pad_token_id if key == "prompt_ids" else 0

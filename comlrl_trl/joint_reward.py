@@ -40,6 +40,16 @@ class JointReward:
 
     def __call__(self, agent_completions: Sequence[Sequence[str]], item: dict[str, Any], item_label: str) -> list[float]:
         num_joint = len(agent_completions[0])
+        rewards = self.values(agent_completions, item, item_label)
+        if len(rewards) != num_joint:
+            raise ValueError(
+                f"reward_func returned {len(rewards)} values for {item_label}, expected {num_joint} "
+                f"(one per joint action). Item: {_short(item)}"
+            )
+        return rewards
+
+    def values(self, agent_completions: Sequence[Sequence[str]], item: dict[str, Any], item_label: str) -> list[float]:
+        """Call the reward function; return its values, checked and processed, whatever their count."""
         kwargs = {"batch_items": [item]} if self.pass_batch_items else {}
         try:
             raw = self.reward_func(*agent_completions, **kwargs)
@@ -47,11 +57,6 @@ class JointReward:
             error.add_note(f"comlrl_trl: raised by reward_func on {item_label}: {_short(item)}")
             raise
         rewards = _as_list(raw, item_label)
-        if len(rewards) != num_joint:
-            raise ValueError(
-                f"reward_func returned {len(rewards)} values for {item_label}, expected {num_joint} "
-                f"(one per joint action). Item: {_short(item)}"
-            )
         processed = []
         for j, value in enumerate(rewards):
             if isinstance(value, bool) or not isinstance(value, Real):

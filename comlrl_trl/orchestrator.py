@@ -106,7 +106,7 @@ class JointRolloutOrchestrator:
         returns = tree_returns([[n.rewards for n in nodes] for nodes, *_ in turns],
                                [[n.children for n in nodes] for nodes, *_ in turns], self.args.discount)
         kl_stats = torch.zeros(len(turns), 2, device=self.accelerator.device)  # per turn: KL sum, token count
-        batches = [self._score_agent(a, turns, returns, kl_stats) for a in range(len(self.agents))]
+        batches = self._score_agents(turns, returns, kl_stats)
         kl_stats = self.accelerator.reduce(kl_stats, reduction="sum")
         scored = self.accelerator.gather(torch.tensor([sum(len(n.rewards) for t in turns for n in t[0])],
                                                       device=self.accelerator.device))
@@ -131,7 +131,7 @@ class JointRolloutOrchestrator:
         for n, node in enumerate(nodes):
             start = n * k
             joint = [[agent_texts[start + idx[a]] for idx in self.joint_indices] for a, agent_texts in enumerate(texts)]
-            node.rewards = self.joint_reward(joint, node.item, f"{node.item_label}, turn {turn + 1}")
+            node.rewards = self._node_rewards(joint, node, turn)
             expand = turn + 1 < self.args.num_turns and not (
                 threshold is not None and sum(node.rewards) / len(node.rewards) > threshold
             )
@@ -142,6 +142,10 @@ class JointRolloutOrchestrator:
                 node.children.append(len(next_nodes))
                 next_nodes.append(self._child(node, [agent_joint[j] for agent_joint in joint], turn))
         return next_nodes
+
+    def _node_rewards(self, joint: list[list[str]], node: Node, turn: int) -> list[float]:
+        """The joint reward of every joint action of a node (`joint[agent][joint action]` holds the texts)."""
+        return self.joint_reward(joint, node.item, f"{node.item_label}, turn {turn + 1}")
 
     def _child(self, node: Node, responses: list[str], turn: int) -> Node:
         prompt_history = [history + [prompt] for history, prompt in zip(node.prompt_history, node.prompts)]
@@ -173,6 +177,10 @@ class JointRolloutOrchestrator:
                 raise TypeError(f"external_transition returned {type(prompt).__name__} for agent {a} on {label}; "
                                 "next-turn prompts must be strings.")
         return list(prompts)
+
+    def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:
+        """One scored TRL batch per agent, all turns joined, with the advantages of this algorithm."""
+        return [self._score_agent(a, turns, returns, kl_stats) for a in range(len(self.agents))]
 
     def _score_agent(self, a: int, turns, returns, kl_stats: torch.Tensor) -> dict[str, Any]:
         """Let TRL score agent `a` turn by turn with the injected returns, set our advantages, join the turns."""
@@ -212,11 +220,12 @@ class JointRolloutOrchestrator:
     def evaluate_path(self, items: list[dict[str, Any]], labels: list[str]):
         """One path per item: one response per agent per turn.
 
-        Returns `(completions[agent][item][turn], rewards[item][turn], returns[item][turn])`, the returns being
-        the discounted suffix returns of each path.
+        Returns `(completions[agent][item][turn], rewards[item][turn], returns[item][turn], prompts[agent][item][turn])`,
+        the returns being the discounted suffix returns of each path.
         """
         nodes = [self._root(item, label) for item, label in zip(items, labels)]
         completions = [[[] for _ in items] for _ in self.agents]
+        prompts = [[[] for _ in items] for _ in self.agents]
         rewards = [[] for _ in items]
         for turn in range(self.args.num_turns):
             texts = self.sample([node.prompts for node in nodes])
@@ -224,12 +233,13 @@ class JointRolloutOrchestrator:
                 responses = [agent_texts[i] for agent_texts in texts]
                 for a, text in enumerate(responses):
                     completions[a][i].append(text)
+                    prompts[a][i].append(node.prompts[a])
                 label = f"{node.item_label}, turn {turn + 1}"
                 rewards[i].append(self.joint_reward([[text] for text in responses], node.item, label)[0])
                 if turn + 1 < self.args.num_turns:
                     nodes[i] = self._child(node, responses, turn)
         returns = [suffix_returns(item_rewards, self.args.discount) for item_rewards in rewards]
-        return completions, rewards, returns
+        return completions, rewards, returns, prompts
 
     def sample(self, node_prompts: list[list[Any]]) -> list[list[str]]:
         """One completion per agent for every node: `node_prompts[node][agent]` -> texts `[agent][node]`."""

@@ -166,12 +166,9 @@ class MAGRPOConfig(GRPOConfig):
         )
         if self.top_k is None:
             self.top_k = 0
-        if self.num_generations is None or self.num_generations < 2:
-            raise ValueError(
-                f"num_generations must be >= 2 (the group baseline needs several samples), got {self.num_generations}."
-            )
+        self._check_num_generations()
         if self.per_device_train_batch_size is None:
-            self.per_device_train_batch_size = self.num_generations
+            self.per_device_train_batch_size = self._default_batch_size()
         if not self.use_cpu and not torch.accelerator.is_available():
             # Without an accelerator, Accelerate only forms a multi-process CPU group (gloo) when told it runs on
             # the CPU; otherwise every torchrun rank would silently train alone on the full data.
@@ -180,7 +177,19 @@ class MAGRPOConfig(GRPOConfig):
             # TRL turns bf16 on by default, which fails on a CPU-only machine; use it only where it is supported.
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self._validate_multi_agent_fields()
-        super().__post_init__()
+        self._grpo_post_init()
+
+    def _grpo_post_init(self):
+        super().__post_init__()  # TRL's own checks and batch arithmetic
+
+    def _check_num_generations(self):
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 (the group baseline needs several samples), got {self.num_generations}."
+            )
+
+    def _default_batch_size(self) -> int:
+        return self.num_generations
 
     def _validate_multi_agent_fields(self):
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):

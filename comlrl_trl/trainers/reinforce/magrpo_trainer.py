@@ -111,6 +111,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
     """
 
     default_config_cls = MAGRPOConfig
+    follower_cls = FollowerGRPOTrainer
     algorithm_name = "MAGRPO"
     _tag_names = ["trl", "grpo", "comlrl_trl", "magrpo"]
 
@@ -165,7 +166,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             peft_config=peft_configs[0],
         )
         followers = [
-            FollowerGRPOTrainer(model=models[i], reward_funcs=[joint_reward], args=follower_args[i - 1],
+            self.follower_cls(model=models[i], reward_funcs=[joint_reward], args=follower_args[i - 1],
                                 train_dataset=train_dataset, processing_class=tokenizers[i],
                                 peft_config=peft_configs[i])
             for i in range(1, n)
@@ -178,7 +179,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self.eval_aggregator = eval_aggregator
         self.external_transition = external_transition
         self.wandb_config = wandb_config
-        self.orchestrator = JointRolloutOrchestrator(self._team, formatter_list, joint, args, external_transition)
+        self.orchestrator = self._build_orchestrator(formatter_list, joint, external_transition)
         if args.early_termination_threshold is not None and self.accelerator.num_processes > 1:
             raise ValueError(
                 "early_termination_threshold makes the rollout tree differ between processes, which data-parallel "
@@ -195,6 +196,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self._follower_loss = [0.0] * (n - 1)
         self._follower_grad_norms = [[] for _ in range(n - 1)]
         self._setup_callbacks(wandb_config)
+
+    def _build_orchestrator(self, formatters, joint: JointReward, external_transition) -> JointRolloutOrchestrator:
+        return JointRolloutOrchestrator(self._team, formatters, joint, self.args, external_transition)
 
     # ----- the team -----
 
@@ -463,6 +467,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 Trainer._save_optimizer_and_scheduler(agent, os.path.join(staging, f"agent_{i}"))
             self._save_scaler(staging)
             self._save_rng_state(staging)
+            self._save_extra_state(staging)
         if self.args.should_save:
             torch.save(self._team_state(), os.path.join(staging, STATE_NAME))
             for callback in self.callback_handler.callbacks + [self.control]:
@@ -478,6 +483,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             prune(root, limit, self._run_id)
         self.accelerator.wait_for_everyone()
         self._last_saved_step = self.state.global_step
+
+    def _save_extra_state(self, checkpoint: str) -> None:
+        """Optimisation state beyond the agents' own (critics, ...); subclasses add theirs."""
 
     def _checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
         wandb_callback = next((c for c in self.callback_handler.callbacks if isinstance(c, WandbRunCallback)), None)
@@ -565,6 +573,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         local = items[process::processes]
         labels = [f"evaluation item {index}" for index in range(process, len(items), processes)]
         completions = [[] for _ in self._team]  # [agent][local item][turn]
+        prompts = [[] for _ in self._team]  # [agent][local item][turn]
         rewards, returns = [], []  # [local item][turn]
         training = [agent.model.training for agent in self._team]
         try:
@@ -572,10 +581,12 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 agent.model.eval()
             for start in range(0, len(local), self.args.eval_batch_size):
                 end = start + self.args.eval_batch_size
-                batch_completions, batch_rewards, batch_returns = self.orchestrator.evaluate_path(
+                batch_completions, batch_rewards, batch_returns, batch_prompts = self.orchestrator.evaluate_path(
                     local[start:end], labels[start:end])
                 for agent_completions, new in zip(completions, batch_completions):
                     agent_completions.extend(new)
+                for agent_prompts, new in zip(prompts, batch_prompts):
+                    agent_prompts.extend(new)
                 rewards.extend(batch_rewards)
                 returns.extend(batch_returns)
         finally:
@@ -588,14 +599,18 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         for turn in range(self.args.num_turns):
             metrics[f"eval/turn_{turn + 1}/reward_mean"] = sum(r[turn] for r in all_rewards) / len(all_rewards)
             metrics[f"eval/turn_{turn + 1}/expected_return"] = sum(r[turn] for r in all_returns) / len(all_returns)
-        if self.eval_logger is not None:
-            rows = self.eval_logger(agent_completions_turns=completions, batch_items=local,
-                                    prompts=[item.get("prompt") for item in local])
-            all_rows = self._gather_lists(rows)
-            custom = self.eval_aggregator(all_rows, num_turns=self.args.num_turns)
-            metrics.update({f"eval/{key}": value for key, value in custom.items()})
+        custom = self._custom_eval_metrics(local, completions, prompts)
+        metrics.update({f"eval/{key}": value for key, value in custom.items()})
         self.log({"env_step": self.env_step, **metrics})
         return metrics
+
+    def _custom_eval_metrics(self, items: list, completions: list, prompts: list) -> dict[str, float]:
+        """`eval_logger` rows for the local items, gathered and reduced by `eval_aggregator` (no prefix)."""
+        if self.eval_logger is None:
+            return {}
+        rows = self.eval_logger(agent_completions_turns=completions, batch_items=items,
+                                prompts=[item.get("prompt") for item in items])
+        return self.eval_aggregator(self._gather_lists(rows), num_turns=self.args.num_turns)
 
     # ----- saving -----
 

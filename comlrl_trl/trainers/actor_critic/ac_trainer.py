@@ -1,0 +1,255 @@
+"""The actor-critic team trainer shared by IAC and MAAC.
+
+It is the MAGRPO team (agent 0's TRL `GRPOTrainer` owning the loop, followers for the other agents, the joint
+rollout tree) with three changes: advantages come from a critic (`ActorCriticOrchestrator`), the critics train on
+the same micro-batches as the actors and step with them, and rewards may be per agent. TRL's clipped policy loss
+is reused as it is; TRL removed its own PPO trainer in 1.13.
+"""
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from numbers import Real
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
+from ...core.values import value_loss
+from ...value_models import CausalLMWithValueHead, load_causal_lm, value_positions
+from ..agent import FollowerGRPOTrainer
+from ..reinforce.magrpo_trainer import MAGRPOTrainer, _model_name
+from .ac_config import ActorCriticConfig
+from .critics import CRITIC_OPTIMIZERS_NAME
+from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
+
+
+_ACTOR_KEYS = ("dtype", "torch_dtype", "attn_implementation", "model_kwargs")
+
+
+class ValueLossMixin:
+    """Adds the value loss of an actor's own value head to TRL's policy loss (one forward, one backward pass)."""
+
+    value_capture = None  # a HiddenStateCapture when the actor carries a value head
+
+    def _compute_loss(self, model, inputs):
+        if self.value_capture is None or "value_targets" not in inputs:
+            return super()._compute_loss(model, inputs)
+        with self.value_capture.capture() as hidden:
+            loss = super()._compute_loss(model, inputs)
+        hidden = torch.cat(hidden)
+        completion_mask = inputs["completion_mask"] if self.args.critic_type == "q" else None
+        index = value_positions(inputs["prompt_ids"], completion_mask)
+        rows = torch.arange(hidden.size(0), device=hidden.device)
+        values = self.model.value_head(hidden[rows, index]).float()
+        vloss = value_loss(values, inputs["value_targets"], inputs["old_values"], self.args.value_clip_range)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["value_loss"].append(self.accelerator.gather(vloss.detach()).mean().item())
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss + self.args.value_loss_coef * vloss / normalizer
+
+
+class ActorCriticFollower(ValueLossMixin, FollowerGRPOTrainer):
+    """An actor after the first, with the value loss of its own head when it has one."""
+
+
+class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
+    """Shared construction, training, evaluation and saving of [`IACTrainer`] and [`MAACTrainer`]."""
+
+    default_config_cls = ActorCriticConfig
+    follower_cls = ActorCriticFollower
+
+    def __init__(
+        self,
+        agent_model: str | PreTrainedModel | None = None,
+        critic_model: str | PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
+        reward_func: Callable | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+        formatters: Callable | Sequence[Callable] | None = None,
+        args: ActorCriticConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        model_config: dict[str, Any] | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        metrics_callback: Callable | None = None,
+        external_transition: Callable | None = None,
+        agents: Sequence[str | PreTrainedModel] | None = None,
+        critics: Sequence[str | PreTrainedModel] | None = None,
+        peft_config: Any = None,
+        critic_peft_config: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+    ):
+        if args is None:
+            args = self.default_config_cls()
+        if not isinstance(args, self.default_config_cls):
+            raise TypeError(f"args must be a {self.default_config_cls.__name__}, got {type(args).__name__}.")
+        if metrics_callback is not None and not callable(metrics_callback):
+            raise TypeError(f"metrics_callback must be a callable taking a list of RolloutSample, got "
+                            f"{type(metrics_callback).__name__}.")
+        if agents is not None and tokenizer is None:
+            raise ValueError(
+                f"{type(self).__name__} needs tokenizer=... when agents are given (even as model ids): one tokenizer "
+                "for all agents or a list with one per agent."
+            )
+        critic_kwargs = self._apply_model_config(model_config, args)
+        n = len(agents) if agents is not None else args.num_agents
+        critic_sources = self._critic_sources(critic_model, critics, n, args)
+        super().__init__(agent_model=agent_model, agents=agents, tokenizer=tokenizer, formatters=formatters,
+                         reward_func=reward_func, reward_processor=reward_processor, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, args=args, external_transition=external_transition,
+                         wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
+        self.metrics_callback = metrics_callback
+        self.critic_set = self._build_critics(critic_sources, critic_kwargs, critic_peft_config)
+        self.orchestrator.critics = self.critic_set
+        self._rollout_metrics = defaultdict(list)
+
+    # ----- construction -----
+
+    def _build_orchestrator(self, formatters, joint, external_transition):
+        rewards = AgentRewards(joint.reward_func, joint.reward_processor, len(self._team))
+        return ActorCriticOrchestrator(self._team, formatters, rewards, self.args, external_transition)
+
+    def _apply_model_config(self, model_config, args) -> dict[str, Any]:
+        """Actor loading settings go into `args.model_init_kwargs`; returns the critics' loading settings."""
+        model_config = dict(model_config or {})
+        allowed = set(_ACTOR_KEYS) | {"critic_model_kwargs"} | set(self._extra_model_config_keys)
+        unknown = set(model_config) - allowed
+        if unknown:
+            raise ValueError(f"Unknown model_config keys {sorted(unknown)}; expected some of {sorted(allowed)}.")
+        common = {key: model_config[key] for key in ("dtype", "torch_dtype", "attn_implementation") if key in model_config}
+        if common or model_config.get("model_kwargs"):
+            args.model_init_kwargs = {**(args.model_init_kwargs or {}), **common, **model_config.get("model_kwargs", {})}
+        self._model_config = model_config
+        return {**common, **model_config.get("critic_model_kwargs", {})}
+
+    _extra_model_config_keys: tuple[str, ...] = ()
+
+    def _critic_sources(self, critic_model, critics, n: int, args) -> list:
+        raise NotImplementedError
+
+    def _build_critics(self, sources, critic_kwargs, critic_peft_config):
+        raise NotImplementedError
+
+    def _load_critic(self, source, critic_kwargs, peft_config, hidden_dim, tokenizer, label: str):
+        model = load_causal_lm(source, critic_kwargs, label)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        vocab = model.get_input_embeddings().num_embeddings
+        if vocab < len(tokenizer):
+            raise ValueError(
+                f"{label} has {vocab} token embeddings but its tokenizer has {len(tokenizer)} tokens; a critic must "
+                "accept the token ids it is fed (use a critic from the same model family as its actor)."
+            )
+        return CausalLMWithValueHead(model.to(self.accelerator.device), hidden_dim)
+
+    # ----- training -----
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        slot = self._step % self.args.steps_per_generation
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.critic_set.train_slot(slot)
+        return loss
+
+    def _step_followers(self):
+        super()._step_followers()
+        self.critic_set.step()
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if self.metrics_callback is not None:
+            by_item = defaultdict(list)
+            for sample in self.orchestrator.samples:
+                by_item[sample.metadata["item_label"]].append(sample)
+            rows = [_numeric(self.metrics_callback(samples)) for samples in by_item.values()]
+            metrics = _mean_rows(self._gather_lists(rows))
+            if metrics:
+                self.log({"env_step": self.env_step, **metrics})
+        return batch
+
+    # ----- evaluation -----
+
+    def evaluate(self) -> dict[str, float]:
+        """Score `args.eval_num_samples` evaluation items, one response per agent per turn (no sample count here).
+
+        Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` for every turn k, plus the
+        `metrics_callback` values averaged over items with the `eval/` prefix, or `{}` without an eval_dataset.
+        """
+        return super().evaluate()
+
+    def _custom_eval_metrics(self, items, completions, prompts) -> dict[str, float]:
+        if self.metrics_callback is None:
+            return {}
+        rows = []
+        for i, item in enumerate(items):
+            samples = [RolloutSample(a, prompts[a][i][t], completions[a][i][t],
+                                     {"turn_idx": t, "generation_idx": 0, "batch_item": item})
+                       for a in range(len(self._team)) for t in range(len(completions[a][i]))]
+            rows.append(_numeric(self.metrics_callback(samples)))
+        return _mean_rows(self._gather_lists(rows))
+
+    # ----- saving and checkpoints -----
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Export the actors to `output_dir/agent_i/` and the critics with their `value_head.pt` (see the class)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        super().save_model(output_dir, _internal_call=_internal_call)
+        self.critic_set.save(output_dir)
+
+    def _save_extra_state(self, checkpoint: str) -> None:
+        if self.args.should_save and self.critic_set.optimizer_state():
+            torch.save(self.critic_set.optimizer_state(), os.path.join(checkpoint, CRITIC_OPTIMIZERS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.critic_set.load(resume_from_checkpoint)
+
+    def _compatibility(self) -> dict[str, Any]:
+        from ...checkpoint import model_fingerprint
+
+        return {**super()._compatibility(), "critic_type": self.args.critic_type,
+                "critics": [model_fingerprint(critic) for critic in self.critic_set.critics]}
+
+    def _run_config(self) -> dict[str, Any]:
+        return {**super()._run_config(), "critic_type": self.args.critic_type,
+                "critic_learning_rate": self.args.critic_learning_rate, "value_loss_coef": self.args.value_loss_coef,
+                "value_clip_range": self.args.value_clip_range, "discount": self.args.discount}
+
+    # ----- accessors -----
+
+    @property
+    def critics(self) -> list[CausalLMWithValueHead]:
+        """The critic models (each with a `value_head`); empty when the heads sit on the actors."""
+        return self.critic_set.critics
+
+
+def _check_same_models(first, first_name: str, entries: Sequence, entries_name: str) -> None:
+    expected = _model_name(first)
+    names = [_model_name(entry) for entry in entries]
+    if any(name != expected for name in names):
+        raise ValueError(f"{first_name} and {entries_name} conflict: {expected!r} != {names}. Pass one of them, or "
+                         "the same model in both.")
+
+
+def _critic_list(critics, what: str) -> list:
+    if isinstance(critics, (str, PreTrainedModel)) or not isinstance(critics, Sequence) or len(critics) == 0:
+        raise TypeError(f"{what} must be a non-empty list of model ids, paths or models.")
+    if any(critic is None for critic in critics):
+        raise ValueError(f"{what} entries must not be None.")
+    return list(critics)
+
+
+def _numeric(row) -> dict[str, float]:
+    if not isinstance(row, dict):
+        raise TypeError(f"metrics_callback must return a dict of metric name -> number, got {type(row).__name__}.")
+    return {key: float(value) for key, value in row.items() if isinstance(value, Real) and not isinstance(value, bool)}
+
+
+def _mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    totals = defaultdict(list)
+    for row in rows:
+        for key, value in row.items():
+            totals[key].append(value)
+    return {key: sum(values) / len(values) for key, values in totals.items()}

@@ -1,0 +1,239 @@
+"""The three ways an actor-critic team holds its critics.
+
+- `ActorValueHeads` (IAC, `use_separate_critic=False`): a value head on every actor; the value loss is part of
+  the actor's loss (see `ValueLossMixin`), so the actors' optimisers train the heads too.
+- `SeparateCritics` (IAC): one critic model per agent, fed its actor's token ids, each with its own optimiser.
+- `JointCritic` (MAAC): one centralised critic fed the joint text of all agents (first actor's tokenizer).
+
+Each set computes the rollout-time values of every sample (`rollout_values`), trains on the micro-batch the
+actors train on (`train_slot`), steps with the actors' optimiser steps (`step`), and saves and restores itself.
+"""
+
+import os
+from typing import Any
+
+import torch
+
+from ...core.values import value_loss
+from ...joint_text import joint_text
+from ...value_models import (
+    VALUE_HEAD_NAME,
+    CausalLMWithValueHead,
+    HiddenStateCapture,
+    ValueHead,
+    attach_value_head,
+    hidden_size,
+    last_token_values,
+    load_exported_weights,
+    value_positions,
+)
+
+
+CRITIC_OPTIMIZERS_NAME = "critic_optimizers.pt"
+_VALUE_CHUNK = 16  # rows per no-grad value forward at rollout time
+
+
+def batch_inputs(batch: dict[str, Any], critic_type: str, rows: slice = slice(None)):
+    """Token ids, attention mask and value positions of a scored TRL batch, as the critic reads them."""
+    prompt_ids, prompt_mask = batch["prompt_ids"][rows], batch["prompt_mask"][rows]
+    if critic_type == "v":
+        return prompt_ids, prompt_mask, value_positions(prompt_ids, None)
+    completion_mask = batch["completion_mask"][rows]
+    input_ids = torch.cat([prompt_ids, batch["completion_ids"][rows]], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    return input_ids, attention_mask, value_positions(prompt_ids, completion_mask)
+
+
+@torch.no_grad()
+def batch_values(model, head, batch: dict[str, Any], critic_type: str) -> torch.Tensor:
+    values = []
+    for start in range(0, batch["prompt_ids"].size(0), _VALUE_CHUNK):
+        ids, mask, index = batch_inputs(batch, critic_type, slice(start, start + _VALUE_CHUNK))
+        values.append(last_token_values(model, head, ids, mask, index).float())
+    return torch.cat(values)
+
+
+class _OwnOptimisers:
+    """Critics with optimisers of their own: gradients averaged over processes, clipped, stepped."""
+
+    def __init__(self, trainer, critics: list[CausalLMWithValueHead]):
+        self.trainer = trainer
+        self.critics = critics
+        args = trainer.args
+        self.optimizers = [
+            torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate,
+                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                              weight_decay=args.weight_decay)
+            for critic in critics
+        ]
+
+    def _backward(self, critic, ids, mask, index, batch, label: str) -> None:
+        trainer = self.trainer
+        args = trainer.args
+        with trainer.accelerator.autocast():
+            values = critic(ids, mask, index).float()
+        loss = value_loss(values, batch["value_targets"], batch["old_values"], args.value_clip_range)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{label} produced a non-finite value loss ({loss.item()}).")
+        (args.value_loss_coef * loss / trainer.current_gradient_accumulation_steps).backward()
+        return loss.detach()
+
+    def step(self) -> None:
+        accelerator = self.trainer.accelerator
+        for critic, optimizer in zip(self.critics, self.optimizers):
+            params = [p for p in critic.parameters() if p.requires_grad and p.grad is not None]
+            if accelerator.num_processes > 1:
+                for p in params:
+                    p.grad = accelerator.reduce(p.grad, reduction="mean")
+            if self.trainer.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.trainer.args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_state(self) -> list[dict]:
+        return [optimizer.state_dict() for optimizer in self.optimizers]
+
+    def load_optimizer_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, CRITIC_OPTIMIZERS_NAME)
+        states = torch.load(path, map_location="cpu", weights_only=True)
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+
+
+class ActorValueHeads:
+    """IAC with `use_separate_critic=False`: `agent.model.value_head` on every actor's backbone."""
+
+    def __init__(self, trainer, hidden_dim: int | None):
+        self.trainer = trainer
+        self.critics = []
+        for agent in trainer._team:
+            model = agent.model
+            attach_value_head(model, ValueHead(hidden_size(model), hidden_dim).to(model.device))
+            agent.value_capture = HiddenStateCapture(model)
+
+    def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
+        critic_type = self.trainer.args.critic_type
+        return [[batch_values(agent.model, agent.model.value_head, batch, critic_type) for batch in agent_batches]
+                for agent, agent_batches in zip(self.trainer._team, scored)]
+
+    def store(self, targets, old_values) -> None:
+        pass  # the targets travel in the agents' batches
+
+    def train_slot(self, slot: int) -> None:
+        pass  # trained inside each actor's loss
+
+    def step(self) -> None:
+        pass
+
+    def optimizer_state(self) -> list[dict]:
+        return []
+
+    def save(self, output_dir: str) -> None:
+        for i, agent in enumerate(self.trainer._team):
+            path = os.path.join(output_dir, f"agent_{i}")
+            if self.trainer.args.should_save:
+                torch.save(agent.model.value_head.state_dict(), os.path.join(path, VALUE_HEAD_NAME))
+
+    def load(self, checkpoint: str) -> None:
+        for i, agent in enumerate(self.trainer._team):
+            state = torch.load(os.path.join(checkpoint, f"agent_{i}", VALUE_HEAD_NAME), map_location="cpu",
+                               weights_only=True)
+            agent.model.value_head.load_state_dict(state)
+
+
+class SeparateCritics(_OwnOptimisers):
+    """IAC with `use_separate_critic=True`: critic i reads agent i's token ids."""
+
+    def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
+        critic_type = self.trainer.args.critic_type
+        return [[batch_values(critic.model, critic.value_head, batch, critic_type) for batch in agent_batches]
+                for critic, agent_batches in zip(self.critics, scored)]
+
+    def store(self, targets, old_values) -> None:
+        pass  # the targets travel in the agents' batches
+
+    def train_slot(self, slot: int) -> None:
+        for i, (critic, agent) in enumerate(zip(self.critics, self.trainer._team)):
+            batch = agent._buffered_inputs[slot]
+            ids, mask, index = batch_inputs(batch, self.trainer.args.critic_type)
+            loss = self._backward(critic, ids, mask, index, batch, f"The critic of agent {i}")
+            agent._metrics["train"]["value_loss"].append(self.trainer.accelerator.gather(loss).mean().item())
+
+    def save(self, output_dir: str) -> None:
+        if self.trainer.args.should_save:
+            for i, (critic, agent) in enumerate(zip(self.critics, self.trainer._team)):
+                critic.save_pretrained(os.path.join(output_dir, f"agent_{i}", "critic"), agent.processing_class)
+
+    def load(self, checkpoint: str) -> None:
+        for i, critic in enumerate(self.critics):
+            _load_critic(critic, os.path.join(checkpoint, f"agent_{i}", "critic"))
+        self.load_optimizer_state(checkpoint)
+
+
+class JointCritic(_OwnOptimisers):
+    """MAAC: one critic over the joint text of all agents, trained once per joint sample."""
+
+    def __init__(self, trainer, critic: CausalLMWithValueHead, tokenizer):
+        super().__init__(trainer, [critic])
+        self.tokenizer = tokenizer
+        self._slots: list[dict[str, torch.Tensor]] = []
+
+    def _texts(self, turns, t: int) -> list[str]:
+        nodes, prompts, _, texts = turns[t]
+        completions = self.trainer.args.critic_type == "q"
+        return [joint_text([agent_prompts[row] for agent_prompts in prompts],
+                           [agent_texts[row] for agent_texts in texts] if completions else None)
+                for row in range(len(prompts[0]))]
+
+    def _encode(self, texts: list[str]):
+        device = self.critics[0].device
+        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                                 add_special_tokens=False)
+        ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+        return ids, mask, torch.full((ids.size(0),), ids.size(1) - 1, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
+        critic = self.critics[0]
+        self._turn_texts = [self._texts(turns, t) for t in range(len(turns))]
+        per_turn = []
+        for texts in self._turn_texts:
+            values = [critic(*self._encode(texts[start:start + _VALUE_CHUNK])).float()
+                      for start in range(0, len(texts), _VALUE_CHUNK)]
+            per_turn.append(torch.cat(values))
+        return [per_turn for _ in self.trainer._team]
+
+    def store(self, targets, old_values) -> None:
+        """Keep the joint samples with their targets (the agents' mean), split like the actors' micro-batches."""
+        texts = [text for turn_texts in self._turn_texts for text in turn_texts]
+        joint_targets = torch.cat([torch.stack(turn_targets).mean(dim=0) for turn_targets in zip(*targets)])
+        olds = torch.cat(old_values[0])
+        order = torch.randperm(len(texts)).tolist()
+        slots = self.trainer.args.steps_per_generation
+        size = -(-len(texts) // slots)
+        self._slots = []
+        for start in range(0, len(texts), size):
+            rows = order[start:start + size]
+            self._slots.append({"texts": [texts[r] for r in rows], "value_targets": joint_targets[rows],
+                                "old_values": olds[rows]})
+
+    def train_slot(self, slot: int) -> None:
+        if slot >= len(self._slots):
+            return
+        batch = self._slots[slot]
+        loss = self._backward(self.critics[0], *self._encode(batch["texts"]), batch, "The centralised critic")
+        self.trainer._joint_metrics["critic/value_loss"].append(self.trainer.accelerator.gather(loss).mean().item())
+
+    def save(self, output_dir: str) -> None:
+        if self.trainer.args.should_save:
+            self.critics[0].save_pretrained(os.path.join(output_dir, "critic"), self.tokenizer)
+
+    def load(self, checkpoint: str) -> None:
+        _load_critic(self.critics[0], os.path.join(checkpoint, "critic"))
+        self.load_optimizer_state(checkpoint)
+
+
+def _load_critic(critic: CausalLMWithValueHead, path: str) -> None:
+    load_exported_weights(critic.model, path)
+    state = torch.load(os.path.join(path, VALUE_HEAD_NAME), map_location="cpu", weights_only=True)
+    critic.value_head.load_state_dict(state)

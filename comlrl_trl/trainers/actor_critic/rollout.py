@@ -1,0 +1,128 @@
+"""Actor-critic rollouts: per-agent rewards, critic values, TD targets and advantages on the MAGRPO rollout tree.
+
+Generation, joint actions, transitions and TRL's scoring are the MAGRPO orchestrator's. What changes is what
+each sample learns from: its advantage is `target - V(sample)`, where the target is the sample's reward at the
+end of an episode and `r_t + gamma * V(s_{t+1})` before it, and `V` is the critic's value at rollout time.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ...batching import concat_scored_batches
+from ...core.values import broadcast_rewards, td_targets, whiten
+from ...joint_reward import JointReward
+from ...orchestrator import JointRolloutOrchestrator, Node, reference_kl_stats
+
+
+@dataclass
+class RolloutSample:
+    """One agent's response at one turn of one task item, as `metrics_callback` receives it.
+
+    `metadata` holds `turn_idx`, `generation_idx` and `batch_item` (the task item), plus, in training,
+    `reward` (this agent's), `value` (the critic's, at rollout time), `value_target` and `advantage`.
+    """
+
+    agent_idx: int
+    prompt: Any
+    completion: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentRewards(JointReward):
+    """The actor-critic reward contract: 1, G or N values per task item, spread to `[agent][generation]`."""
+
+    def __init__(self, reward_func, reward_processor, num_agents: int):
+        super().__init__(reward_func, reward_processor)
+        self.num_agents = num_agents
+
+    def matrix(self, agent_completions, item: dict[str, Any], item_label: str) -> list[list[float]]:
+        values = self.values(agent_completions, item, item_label)
+        try:
+            return broadcast_rewards(values, self.num_agents, len(agent_completions[0]))
+        except ValueError as error:
+            raise ValueError(f"{error} ({item_label})") from None
+
+    def __call__(self, agent_completions, item: dict[str, Any], item_label: str) -> list[float]:
+        """The team's reward per joint action: the mean over agents."""
+        matrix = self.matrix(agent_completions, item, item_label)
+        return [sum(column) / len(column) for column in zip(*matrix)]
+
+
+class ActorCriticOrchestrator(JointRolloutOrchestrator):
+    """The MAGRPO rollout with critic-based advantages; `critics` is set by the trainer before training."""
+
+    critics = None
+
+    def _node_rewards(self, joint, node: Node, turn: int) -> list[float]:
+        node.agent_rewards = self.joint_reward.matrix(joint, node.item, f"{node.item_label}, turn {turn + 1}")
+        return [sum(column) / len(column) for column in zip(*node.agent_rewards)]
+
+    def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:
+        n = len(self.agents)
+        scored = [[self._score_rows(a, turn, kl_stats, t) for t, turn in enumerate(turns)] for a in range(n)]
+        values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
+        targets = [[self._targets(a, t, turns, values) for t in range(len(turns))] for a in range(n)]
+        self.critics.store(targets, values)
+        self.samples = []
+        for a, agent in enumerate(self.agents):
+            for t, batch in enumerate(scored[a]):
+                advantages = targets[a][t] - values[a][t]
+                if self.args.advantage_normalization:
+                    advantages = whiten(advantages, *self._global_moments(advantages))
+                if self.args.turn_gradient_weights is not None:
+                    advantages = advantages * self.args.turn_gradient_weights[t]
+                batch["advantages"] = advantages.to(batch["advantages"].dtype)
+                batch["old_values"], batch["value_targets"] = values[a][t], targets[a][t]
+                self._record(a, t, turns, batch)
+            agent._metrics["train"]["value_mean"].append(self._global_moments(torch.cat(values[a]))[0].item())
+            agent._metrics["train"]["value_target_mean"].append(self._global_moments(torch.cat(targets[a]))[0].item())
+        return [concat_scored_batches(batches, agent.processing_class.pad_token_id)
+                for batches, agent in zip(scored, self.agents)]
+
+    def _score_rows(self, a: int, turn, kl_stats: torch.Tensor, t: int) -> dict[str, Any]:
+        """TRL scores agent `a`'s rows of one turn with the agent's own rewards (its reward metrics stay true)."""
+        nodes, prompts, rollouts, _ = turn
+        agent, k = self.agents[a], self.args.num_generations
+        rewards = [r for node in nodes for r in node.agent_rewards[a]]
+        rows = [{**node.item, "prompt": prompt} for node, prompt in zip((m for m in nodes for _ in range(k)), prompts[a])]
+        device = self.accelerator.device
+        agent.inject(rollouts[a], self.accelerator.gather(torch.tensor(rewards, device=device)).unsqueeze(1))
+        batch = GRPOTrainer._generate_and_score_completions(agent, rows)
+        if "ref_per_token_logps" in batch:
+            kl_stats[t] += reference_kl_stats(agent, batch)
+        return batch
+
+    def _targets(self, a: int, t: int, turns, values) -> torch.Tensor:
+        """`r` at the end of an episode, `r + gamma * V(next node)` before it (V: mean over the node's samples)."""
+        nodes, k = turns[t][0], self.args.num_generations
+        rewards = [r for node in nodes for r in node.agent_rewards[a]]
+        next_values = []
+        for node in nodes:
+            for child in node.children:
+                if child is None:
+                    next_values.append(None)
+                else:
+                    next_values.append(values[a][t + 1][child * k:(child + 1) * k].mean().item())
+        device = values[a][t].device
+        return torch.tensor(td_targets(rewards, next_values, self.args.discount), device=device)
+
+    def _global_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and population variance of `x` over all processes."""
+        x = x.float()
+        sums = self.accelerator.reduce(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), device=x.device)]),
+                                       reduction="sum")
+        mean = sums[0] / sums[2]
+        return mean, sums[1] / sums[2] - mean * mean
+
+    def _record(self, a: int, t: int, turns, batch: dict[str, Any]) -> None:
+        nodes, prompts, _, texts = turns[t]
+        k = self.args.num_generations
+        for row, (node, prompt, text) in enumerate(zip((m for m in nodes for _ in range(k)), prompts[a], texts[a])):
+            self.samples.append(RolloutSample(a, prompt, text, {
+                "turn_idx": t, "generation_idx": row % k, "batch_item": node.item, "item_label": node.item_label,
+                "reward": node.agent_rewards[a][row % k], "value": batch["old_values"][row].item(),
+                "value_target": batch["value_targets"][row].item(), "advantage": batch["advantages"][row].item(),
+            }))

@@ -1,0 +1,164 @@
+"""Value heads and LLM critics for the actor-critic trainers.
+
+A critic is a causal language model whose last hidden state at one position goes through a small value head.
+`critic_type="v"` values a prompt (the position of its last token), `"q"` a prompt with its response (the last
+response token). An actor can also carry the head itself (`value_head` attribute on the actor model), sharing its
+backbone with the policy.
+"""
+
+import os
+from contextlib import contextmanager
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+VALUE_HEAD_NAME = "value_head.pt"
+
+
+class ValueHead(nn.Module):
+    """`hidden_size -> 1` (linear), or `hidden_size -> hidden_dim -> 1` with a tanh in between.
+
+    The output layer starts at zero, so every value starts at 0 and early advantages are the plain rewards.
+    """
+
+    def __init__(self, hidden_size: int, hidden_dim: int | None = None):
+        super().__init__()
+        if hidden_dim is None:
+            self.net = nn.Sequential(nn.Linear(hidden_size, 1))
+        else:
+            self.net = nn.Sequential(nn.Linear(hidden_size, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, 1))
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden.to(self.net[0].weight.dtype)).squeeze(-1)
+
+
+class CausalLMWithValueHead(nn.Module):
+    """A critic: a causal LM backbone (`model`, optionally a PEFT model) and a `value_head`.
+
+    `save_pretrained(path)` writes a loadable model directory plus `value_head.pt`; passing that directory back as
+    a critic source reloads the backbone with a fresh head (restore the head with `value_head.load_state_dict`).
+    """
+
+    def __init__(self, model: PreTrainedModel, hidden_dim: int | None = None):
+        super().__init__()
+        self.model = model
+        self.value_head = ValueHead(hidden_size(model), hidden_dim).to(model.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return last_token_values(self.model, self.value_head, input_ids, attention_mask, index)
+
+    def save_pretrained(self, path: str, tokenizer=None) -> None:
+        self.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        torch.save(self.value_head.state_dict(), os.path.join(path, VALUE_HEAD_NAME))
+
+
+def hidden_size(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.hidden_size
+
+
+def decoder_of(model) -> nn.Module:
+    """The module producing the last hidden states (no LM head): LoRA layers inside it still apply."""
+    if is_peft_model(model):
+        model = model.get_base_model()
+    return model.get_decoder()
+
+
+def last_token_values(model, head: nn.Module, input_ids, attention_mask, index) -> torch.Tensor:
+    """Values `(B,)` read at position `index[b]` of each row (left-padded rows: the prompt's last token is at -1)."""
+    hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    return head(hidden[rows, index])
+
+
+def value_positions(prompt_ids: torch.Tensor, completion_mask: torch.Tensor | None) -> torch.Tensor:
+    """Where to read a value in `cat(prompt_ids, completion_ids)` with left-padded prompts.
+
+    Without a completion mask (`critic_type="v"`): the prompt's last token. With it (`"q"`): the last response
+    token kept by the mask (the prompt's last token for an empty response).
+    """
+    last_prompt = prompt_ids.size(1) - 1
+    if completion_mask is None:
+        return torch.full((prompt_ids.size(0),), last_prompt, dtype=torch.long, device=prompt_ids.device)
+    return last_prompt + completion_mask.sum(dim=1).long()
+
+
+def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:
+    """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object."""
+    if isinstance(source, nn.Module):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a model id, a local path or a model object, got {type(source).__name__}.")
+    source = os.fspath(source)
+    if os.path.isfile(os.path.join(source, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True, **(model_kwargs or {}))
+    return AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
+
+
+def load_exported_weights(model, path: str) -> None:
+    """Load the weights that `save_pretrained` wrote into `path` back into `model` (full weights or an adapter)."""
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        set_peft_model_state_dict(model, load_peft_weights(path, device=str(model.device)))
+        return
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"), device=str(model.device))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = set(getattr(model, "_tied_weights_keys", None) or {})
+        if unexpected or [key for key in missing if key not in tied]:
+            raise ValueError(f"Weights in {path} do not match the critic: missing {missing}, unexpected {unexpected}.")
+        return
+    load_sharded_checkpoint(model, path, strict=False)
+
+
+def attach_value_head(model, head: nn.Module) -> None:
+    """Register `head` as the actor's `value_head`, kept out of `save_pretrained` (it is saved as value_head.pt)."""
+    model.value_head = head
+    if isinstance(model, PreTrainedModel):
+        ignored = set(model._keys_to_ignore_on_save or ())
+        model._keys_to_ignore_on_save = ignored | {f"value_head.{key}" for key in head.state_dict()}
+
+
+class HiddenStateCapture:
+    """Records the last hidden states of the policy forward passes that run inside `capture()`.
+
+    TRL's loss computes log-probabilities with one forward pass (in chunks); a value head on the actor reads
+    the same hidden states instead of running the backbone again, so the policy and value losses share one
+    forward and one backward pass.
+    """
+
+    def __init__(self, model):
+        self._active = False
+        self.hidden: list[torch.Tensor] = []
+        decoder_of(model).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if self._active:
+            self.hidden.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    @contextmanager
+    def capture(self):
+        self.hidden, self._active = [], True
+        try:
+            yield self.hidden
+        finally:
+            self._active = False

@@ -1,0 +1,256 @@
+"""IAC and MAAC on tiny models: what trains, what the critics learn, targets, rewards, saving and resuming."""
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import changed, snapshot
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer, RolloutSample
+
+
+ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(8)]})
+
+
+def _config(make_config, config_cls=IACConfig, **overrides):
+    settings = dict(config_cls=config_cls, num_generations=1, per_device_train_batch_size=4, max_new_tokens=6,
+                    learning_rate=0.05, lr_scheduler_type="constant")
+    settings.update(overrides)
+    return make_config(**settings)
+
+
+def _reward(first, second):
+    return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
+
+
+def _logged(trainer, key):
+    return [row[key] for row in trainer.state.log_history if key in row]
+
+
+@pytest.mark.parametrize("critic_type", ["v", "q"])
+def test_iac_shared_heads_train_with_the_actors(qwen_path, make_config, critic_type):
+    trainer = IACTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                         args=_config(make_config, use_separate_critic=False, critic_type=critic_type))
+    assert trainer.critics == []
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    for i, model in enumerate(trainer.agents):
+        moved = changed(before[i], model)
+        assert {"value_head.net.0.weight", "value_head.net.0.bias"} <= moved, i
+        assert any(name.startswith("model.layers.") for name in moved), i
+        assert len(_logged(trainer, f"agent_{i}/value_loss")) == 2
+
+
+@pytest.mark.parametrize("critic_type", ["v", "q"])
+def test_iac_separate_critics_and_actors_all_change(qwen_path, make_config, critic_type):
+    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                         args=_config(make_config, critic_type=critic_type, critic_learning_rate=0.01))
+    assert len(trainer.critics) == 2 and trainer.critics[0] is not trainer.critics[1]
+    actors = [snapshot(model) for model in trainer.agents]
+    critics = [snapshot(critic) for critic in trainer.critics]
+    trainer.train()
+    for i in range(2):
+        assert changed(actors[i], trainer.agents[i]), f"actor {i}"
+        moved = changed(critics[i], trainer.critics[i])
+        assert "value_head.net.0.weight" in moved and any(n.startswith("model.model.layers.") for n in moved), i
+    assert trainer.critic_set.optimizers[0].param_groups[0]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("critic_type", ["v", "q"])
+def test_maac_trains_one_critic_once_per_joint_sample(qwen_path, make_config, critic_type):
+    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                          args=_config(make_config, MAACConfig, critic_type=critic_type, steps_per_generation=2,
+                                       per_device_train_batch_size=2))
+    actors = [snapshot(model) for model in trainer.agents]
+    critic = snapshot(trainer.critics[0])
+    calls = []
+    step = trainer.critic_set.optimizers[0].step
+    trainer.critic_set.optimizers[0].step = lambda *a, **k: (calls.append(1), step(*a, **k))[1]
+    trainer.train()
+    for i in range(2):
+        assert changed(actors[i], trainer.agents[i]), f"actor {i}"
+    assert "value_head.net.0.weight" in changed(critic, trainer.critics[0])
+    # 8 items, 2 rollouts of 4 joint samples, each split into 2 micro-batches: 4 critic steps, not 4 per agent.
+    assert len(calls) == 4 and trainer.state.global_step == 4
+    assert len(_logged(trainer, "critic/value_loss")) > 0
+
+
+@pytest.mark.parametrize("setup", ["shared", "separate", "maac"])
+def test_value_loss_falls_on_a_fixed_reward(qwen_path, make_config, setup):
+    def constant(first, second):
+        return [1.0] * len(first)
+
+    config_cls = MAACConfig if setup == "maac" else IACConfig
+    extra = {"use_separate_critic": setup == "separate"} if setup != "maac" else {}
+    args = _config(make_config, config_cls, num_train_epochs=4, learning_rate=1e-6, critic_learning_rate=0.005,
+                   value_clip_range=None, **extra)
+    if setup == "shared":
+        args.learning_rate = 0.005  # the shared head learns with the actor's optimiser
+    trainer_cls = MAACTrainer if setup == "maac" else IACTrainer
+    critic = {} if setup == "shared" else {"critic_model": qwen_path}
+    trainer = trainer_cls(agent_model=qwen_path, reward_func=constant, train_dataset=ITEMS, args=args, **critic)
+    trainer.train()
+    key = "critic/value_loss" if setup == "maac" else "agent_0/value_loss"
+    losses = _logged(trainer, key)
+    assert len(losses) == 8
+    assert losses[0] == pytest.approx(1.0, abs=1e-6)  # zero-initialised heads: V = 0, target 1
+    assert losses[-1] < 0.1 * losses[0], losses
+
+
+def _transition(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    return [f"Turn {len(prompt_history_per_agent[a]) + 1}: go on" for a in range(num_agents)]
+
+
+@pytest.mark.parametrize("trainer_cls", [IACTrainer, MAACTrainer])
+def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config, trainer_cls):
+    rollouts = []
+
+    def callback(samples):
+        rollouts.append(samples)
+        return {"samples": len(samples)}
+
+    config_cls = IACConfig if trainer_cls is IACTrainer else MAACConfig
+    args = _config(make_config, config_cls, num_turns=2, discount=0.5, num_train_epochs=2)
+    trainer = trainer_cls(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                          args=args, external_transition=_transition, metrics_callback=callback)
+    trainer.train()
+    assert len(rollouts) == 16 and all(len(samples) == 4 for samples in rollouts)  # 2 agents x 2 turns per item
+    assert _logged(trainer, "samples") == [4.0] * 4
+    checked = 0
+    for samples in rollouts:
+        assert all(isinstance(s, RolloutSample) for s in samples)
+        for a in range(2):
+            first, second = (next(s for s in samples if s.agent_idx == a and s.metadata["turn_idx"] == t) for t in (0, 1))
+            assert second.metadata["value_target"] == pytest.approx(second.metadata["reward"], abs=1e-6)
+            expected = first.metadata["reward"] + 0.5 * second.metadata["value"]
+            assert first.metadata["value_target"] == pytest.approx(expected, abs=1e-5)
+            assert first.metadata["batch_item"]["prompt"].startswith("Item ")
+            checked += abs(second.metadata["value"]) > 0
+    assert checked > 0  # after the first update the bootstrapped values are not all zero
+
+
+def test_rewards_per_agent_reach_each_agent(qwen_path, make_config):
+    rollouts = []
+    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=lambda a, b: [1.0, -1.0],
+                         train_dataset=ITEMS, args=_config(make_config, num_generations=3, per_device_train_batch_size=6),
+                         metrics_callback=lambda samples: rollouts.append(samples) or {})
+    trainer.train()
+    samples = [s for batch in rollouts for s in batch]
+    assert {s.metadata["reward"] for s in samples if s.agent_idx == 0} == {1.0}
+    assert {s.metadata["reward"] for s in samples if s.agent_idx == 1} == {-1.0}
+    assert _logged(trainer, "agent_1/rewards/joint_reward/mean")[0] == -1.0
+    assert _logged(trainer, "turn_1/reward_mean")[0] == 0.0  # the team's reward: the mean over agents
+
+
+def test_a_wrong_number_of_rewards_is_a_clear_error(qwen_path, make_config):
+    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=lambda a, b: [0.0] * 5,
+                         train_dataset=ITEMS, args=_config(make_config, num_generations=3, per_device_train_batch_size=3))
+    with pytest.raises(ValueError, match=r"returned 5 values.*1 \(shared\), 3 .* 2 .*task item 0, turn 1"):
+        trainer.train()
+
+
+def test_heterogeneous_actors_with_their_own_tokenizers_and_critics(qwen_path, llama_path, make_config):
+    tokenizers = [AutoTokenizer.from_pretrained(p, padding_side="left") for p in (qwen_path, llama_path)]
+    iac = IACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critics=[qwen_path, llama_path],
+                     reward_func=_reward, train_dataset=ITEMS, args=_config(make_config))
+    before = [snapshot(c) for c in iac.critics]
+    iac.train()
+    assert all(changed(b, c) for b, c in zip(before, iac.critics))
+    assert [type(c.model).__name__ for c in iac.critics] == ["Qwen2ForCausalLM", "LlamaForCausalLM"]
+    maac = MAACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critic_model=qwen_path,
+                       reward_func=_reward, train_dataset=ITEMS, args=_config(make_config, MAACConfig))
+    maac.train()
+    with pytest.raises(ValueError, match="has 384 token embeddings but its tokenizer has 512 tokens"):
+        MAACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critic_model=llama_path,
+                    reward_func=_reward, train_dataset=ITEMS, args=_config(make_config, MAACConfig))
+
+
+def test_lora_actors_and_critics_train_only_adapters_and_heads(qwen_path, make_config):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                         args=_config(make_config), peft_config=lora, critic_peft_config=lora)
+    critic = trainer.critics[0]
+    trainable = {name for name, p in critic.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name or name.startswith("value_head.") for name in trainable)
+    before = snapshot(critic)
+    trainer.train()
+    assert any("lora_B" in name for name in changed(before, critic))
+
+
+def test_evaluate_takes_no_count_and_averages_metrics_callback(qwen_path, make_config):
+    seen = []
+
+    def callback(samples):
+        seen.append(samples)
+        return {"mean_length": sum(len(s.completion) for s in samples) / len(samples), "note": "text is dropped"}
+
+    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                          eval_dataset=ITEMS, metrics_callback=callback,
+                          args=_config(make_config, MAACConfig, eval_num_samples=3))
+    metrics = trainer.evaluate()
+    assert len(seen) == 3 and all(len(samples) == 2 for samples in seen)
+    assert [s.metadata["generation_idx"] for s in seen[0]] == [0, 0]
+    expected = sum(sum(len(s.completion) for s in samples) / 2 for samples in seen) / 3
+    assert metrics["eval/mean_length"] == pytest.approx(expected)
+    assert "eval/note" not in metrics and "eval/turn_1/reward_mean" in metrics
+
+
+def test_iac_save_model_layouts_and_head_restore(qwen_path, make_config, tmp_path):
+    shared = IACTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                        args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8))
+    shared.train()
+    shared.save_model(str(tmp_path / "shared"))
+    for i in range(2):
+        files = set(os.listdir(tmp_path / "shared" / f"agent_{i}"))
+        assert {"model.safetensors", "tokenizer.json", "value_head.pt"} <= files
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "shared" / f"agent_{i}")
+        assert not hasattr(reloaded, "value_head")  # the head is not inside the model weights
+    dirs = [str(tmp_path / "shared" / f"agent_{i}") for i in range(2)]
+    continued = IACTrainer(agents=dirs, tokenizer=[AutoTokenizer.from_pretrained(d) for d in dirs],
+                           reward_func=_reward, train_dataset=ITEMS,
+                           args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8))
+    for i in range(2):
+        head = continued.agents[i].value_head
+        assert not any(p.abs().sum() > 0 for p in head.net[-1].parameters())  # a fresh head starts at zero
+        head.load_state_dict(torch.load(tmp_path / "shared" / f"agent_{i}" / "value_head.pt", weights_only=True))
+        for p, q in zip(head.parameters(), shared.agents[i].value_head.parameters()):
+            assert torch.equal(p, q)
+
+    separate = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                          args=_config(make_config))
+    separate.train()
+    separate.save_model(str(tmp_path / "separate"))
+    for i in range(2):
+        critic_dir = tmp_path / "separate" / f"agent_{i}" / "critic"
+        assert {"model.safetensors", "value_head.pt", "tokenizer.json"} <= set(os.listdir(critic_dir))
+        assert "value_head.pt" not in os.listdir(tmp_path / "separate" / f"agent_{i}")
+
+
+def _ac_trainer(path, make_config, epochs, trainer_cls=IACTrainer, **config):
+    config_cls = IACConfig if trainer_cls is IACTrainer else MAACConfig
+    critic = {} if config.get("use_separate_critic") is False else {"critic_model": path}
+    return trainer_cls(agent_model=path, reward_func=_reward, train_dataset=ITEMS, eval_dataset=ITEMS,
+                       args=_config(make_config, config_cls, num_train_epochs=epochs, eval_interval=4, **config),
+                       **critic)
+
+
+@pytest.mark.parametrize("setup", [(IACTrainer, False), (IACTrainer, True), (MAACTrainer, None)])
+def test_resume_restores_heads_critics_and_their_optimisers(qwen_path, make_config, tmp_path, setup):
+    trainer_cls, separate = setup
+    config = {} if separate is None else {"use_separate_critic": separate}
+    straight = _ac_trainer(qwen_path, make_config, 2, trainer_cls, **config)
+    straight.train()
+    first = _ac_trainer(qwen_path, make_config, 1, trainer_cls, **config)
+    first.train(checkpoint_dir=tmp_path / "ckpt")
+    if trainer_cls is MAACTrainer or separate:
+        assert os.path.isfile(tmp_path / "ckpt" / "checkpoint-1" / "critic_optimizers.pt")
+    resumed = _ac_trainer(qwen_path, make_config, 2, trainer_cls, **config)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"), checkpoint_dir=tmp_path / "ckpt")
+    for a, b in zip(straight.agents + straight.critics, resumed.agents + resumed.critics, strict=True):
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q), name
+    key = "turn_1/reward_mean"
+    assert _logged(resumed, key) == _logged(straight, key) and len(_logged(straight, key)) == 4
