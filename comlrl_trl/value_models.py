@@ -101,11 +101,29 @@ def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"{what} must be a model id, a local path or a model object, got {type(source).__name__}.")
     source = os.fspath(source)
-    if os.path.isfile(os.path.join(source, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
+    with whole_weights():
+        if os.path.isfile(os.path.join(source, "adapter_config.json")):
+            from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True, **(model_kwargs or {}))
-    return AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
+            return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True, **(model_kwargs or {}))
+        return AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
+
+
+@contextmanager
+def whole_weights():
+    """Load a model with all its weights on this process even while DeepSpeed ZeRO-3 is configured.
+
+    Critics train outside the actors' DeepSpeed engines with optimisers of their own, so they must not be
+    partitioned by ZeRO-3's loading hooks.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = reference
 
 
 def load_exported_weights(model, path: str) -> None:
@@ -138,27 +156,35 @@ def attach_value_head(model, head: nn.Module) -> None:
         model._keys_to_ignore_on_save = ignored | {f"value_head.{key}" for key in head.state_dict()}
 
 
-class HiddenStateCapture:
-    """Records the last hidden states of the policy forward passes that run inside `capture()`.
+class ValueCapture:
+    """Values of an actor's own `value_head` for the policy forward passes that run inside `capture()`.
 
-    TRL's loss computes log-probabilities with one forward pass (in chunks); a value head on the actor reads
-    the same hidden states instead of running the backbone again, so the policy and value losses share one
-    forward and one backward pass.
+    TRL's loss computes log-probabilities with one forward pass (in chunks). A hook on the backbone applies the
+    head to the same last hidden states, at every position, inside that forward pass: the policy and value losses
+    share one forward and one backward pass, and data-parallel wrappers see the head used in `forward`.
     """
 
     def __init__(self, model):
         self._active = False
-        self.hidden: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._model = model
         decoder_of(model).register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        if self._active:
-            self.hidden.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+        if not self._active:
+            return None
+        hidden = output.last_hidden_state
+        values = self._model.value_head(hidden)
+        self.values.append(values)
+        # Tie the values into the policy's output graph with a zero weight: DistributedDataParallel, which finds
+        # used parameters by walking back from the forward's outputs, then counts the head as used.
+        output.last_hidden_state = hidden + 0.0 * values.unsqueeze(-1).to(hidden.dtype)
+        return output
 
     @contextmanager
     def capture(self):
-        self.hidden, self._active = [], True
+        self.values, self._active = [], True
         try:
-            yield self.hidden
+            yield self.values
         finally:
             self._active = False

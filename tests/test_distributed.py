@@ -49,3 +49,40 @@ def test_deepspeed_zero_single_process(tmp_path, stage, lora):
     assert report["engine_steps"] == [4, 4] and report["steps"] == 4
     for norms in report["grad_norms"]:
         assert len(norms) == 4 and all(0 < n < float("inf") for n in norms)
+
+
+def test_two_process_actor_critic_keeps_actors_and_critics_in_sync(tmp_path):
+    """Critic gradients are averaged over processes like the actors' (DDP), so every rank holds the same critic."""
+    script = Path(__file__).parent / "scripts" / "ac_ddp_smoke.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    report = json.loads(line[len("RESULT "):])
+    assert report["world"] == 2
+    for name, modules in (("iac-shared", 2), ("iac-separate", 4), ("maac", 3)):
+        run = report[name]
+        rank0, rank1 = run["after"]
+        assert len(rank0) == modules and rank0 == rank1, name
+        assert all(b != a for b, a in zip(run["before"], rank0)), name  # every actor and critic trained
+        assert run["env_step"] == 8 and run["steps"] == 2, name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_deepspeed_zero_actor_critic(tmp_path, stage):
+    """Value heads inside the DeepSpeed engines (IAC) and a critic beside them (MAAC) train under ZeRO."""
+    script = Path(__file__).parent / "scripts" / "ac_deepspeed_smoke.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script),
+               str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    report = json.loads(line[len("RESULT "):])
+    assert report["engines"] == ["DeepSpeedEngine"] * 4 and report["steps"] == [2, 2]
+    assert len(report["heads"]) == 3 and all(weight > 0 for weight in report["heads"])
+    assert report["value_losses"] == [2, 2]

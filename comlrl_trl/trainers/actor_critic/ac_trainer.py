@@ -30,18 +30,17 @@ _ACTOR_KEYS = ("dtype", "torch_dtype", "attn_implementation", "model_kwargs")
 class ValueLossMixin:
     """Adds the value loss of an actor's own value head to TRL's policy loss (one forward, one backward pass)."""
 
-    value_capture = None  # a HiddenStateCapture when the actor carries a value head
+    value_capture = None  # a ValueCapture when the actor carries a value head
 
     def _compute_loss(self, model, inputs):
         if self.value_capture is None or "value_targets" not in inputs:
             return super()._compute_loss(model, inputs)
-        with self.value_capture.capture() as hidden:
+        with self.value_capture.capture() as captured:
             loss = super()._compute_loss(model, inputs)
-        hidden = torch.cat(hidden)
+        all_values = torch.cat(captured)  # (B, T): the head at every position
         completion_mask = inputs["completion_mask"] if self.args.critic_type == "q" else None
         index = value_positions(inputs["prompt_ids"], completion_mask)
-        rows = torch.arange(hidden.size(0), device=hidden.device)
-        values = self.model.value_head(hidden[rows, index]).float()
+        values = all_values[torch.arange(all_values.size(0), device=all_values.device), index].float()
         vloss = value_loss(values, inputs["value_targets"], inputs["old_values"], self.args.value_clip_range)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["value_loss"].append(self.accelerator.gather(vloss.detach()).mean().item())

@@ -19,7 +19,7 @@ from ...joint_text import joint_text
 from ...value_models import (
     VALUE_HEAD_NAME,
     CausalLMWithValueHead,
-    HiddenStateCapture,
+        ValueCapture,
     ValueHead,
     attach_value_head,
     hidden_size,
@@ -109,7 +109,7 @@ class ActorValueHeads:
         for agent in trainer._team:
             model = agent.model
             attach_value_head(model, ValueHead(hidden_size(model), hidden_dim).to(model.device))
-            agent.value_capture = HiddenStateCapture(model)
+            agent.value_capture = ValueCapture(model)
 
     def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
         critic_type = self.trainer.args.critic_type
