@@ -1,4 +1,4 @@
-"""Speed and memory of comlrl_trl MAGRPO against the peer (CoMLRL 1.4.3) and against plain TRL GRPO.
+"""Speed and memory of comlrl_trl MAGRPO, IAC and MAAC against the peer (CoMLRL 1.4.3), and MAGRPO against TRL GRPO.
 
     python benchmarks/bench.py                    # everything (about 10-15 minutes on 2 CPU cores)
     python benchmarks/bench.py --quick            # the tiny model only
@@ -80,13 +80,19 @@ def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
             for k in (2, 4, 8):
                 rows.append((f"tiny N={agents} K={k}", system, dict(tiny, agents=agents, k=k)))
     rows.append(("tiny N=1 K=4", "trl", dict(tiny, agents=1, k=4)))
+    actor_critic = dict(tiny, agents=2, k=1, items=32, items_per_step=8)  # a step: 8 items, one response each
+    for algorithm in ("iac", "maac"):
+        for system in ("ours", "peer"):
+            rows.append((f"tiny {algorithm.upper()} N=2", system, dict(actor_critic, algorithm=algorithm)))
     if not quick and "smollm2" in paths:
         smol = dict(base, model=paths["smollm2"], tokens=16, items=6)
         rows += [("smollm2 N=2 K=4 full", "ours", dict(smol, agents=2, k=4)),
                  ("smollm2 N=2 K=4 full", "peer", dict(smol, agents=2, k=4)),
                  ("smollm2 N=2 K=4 lora", "ours", dict(smol, agents=2, k=4, lora=True)),
                  ("smollm2 N=1 K=4 full", "ours", dict(smol, agents=1, k=4)),
-                 ("smollm2 N=1 K=4 full", "trl", dict(smol, agents=1, k=4))]
+                 ("smollm2 N=1 K=4 full", "trl", dict(smol, agents=1, k=4)),
+                 ("smollm2 IAC N=2", "ours", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac")),
+                 ("smollm2 IAC N=2", "peer", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac"))]
     return rows
 
 
@@ -108,6 +114,11 @@ def summarize(results: list[dict]) -> dict:
     lora, peer = by.get(("smollm2 N=2 K=4 lora", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))
     if lora and peer:
         out["smollm2: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = lora["peak_rss_mb"] / peer["peak_rss_mb"]
+    for label in ("tiny IAC N=2", "tiny MAAC N=2", "smollm2 IAC N=2"):
+        ours, peer = by.get((label, "ours")), by.get((label, "peer"))
+        if ours and peer:
+            out[f"{label.replace(' N=2', '')}: throughput ours/peer (N=2, G=1)"] = \
+                ours["joint_samples_per_s"] / peer["joint_samples_per_s"]
     for system in ("ours", "peer"):
         steps = [by.get((f"tiny N={n} K=4", system)) for n in (1, 2, 4)]
         if all(steps):
@@ -152,6 +163,8 @@ def chart(results: list[dict], path: Path) -> None:
     bars += [("smollm2 N=2 K=4 full", by.get(("smollm2 N=2 K=4 full", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))),
              ("smollm2 N=2 K=4 LoRA\n(peer: full)", by.get(("smollm2 N=2 K=4 lora", "ours")),
               by.get(("smollm2 N=2 K=4 full", "peer")))]
+    bars += [(label, by.get((label, "ours")), by.get((label, "peer")))
+             for label in ("tiny IAC N=2", "tiny MAAC N=2", "smollm2 IAC N=2")]
     bars = [(label, ours / peer) for label, ours, peer in bars if ours and peer]
     right.barh([label for label, _ in bars], [ratio for _, ratio in bars], color="tab:blue")
     right.axvline(1.0, color="gray", linewidth=1)

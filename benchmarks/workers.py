@@ -120,6 +120,65 @@ def run_peer(s):
     return start, time.perf_counter(), len(clock.times), clock
 
 
+def run_ours_ac(s):
+    from datasets import Dataset
+
+    from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+
+    config_cls, trainer_cls = (IACConfig, IACTrainer) if s["algorithm"] == "iac" else (MAACConfig, MAACTrainer)
+    config = config_cls(
+        output_dir=s["output_dir"], num_agents=s["agents"], num_generations=s["k"], max_new_tokens=s["tokens"],
+        per_device_train_batch_size=s["k"] * s["items_per_step"], generation_kwargs={"min_new_tokens": s["tokens"]},
+        learning_rate=1e-5, critic_learning_rate=1e-5, num_train_epochs=1, logging_steps=10**9, eval_interval=0,
+        report_to="none", gradient_checkpointing=False, disable_tqdm=True, seed=0,
+    )
+    clock = StepClock()
+    trainer = trainer_cls(agent_model=s["model"], critic_model=s["model"], reward_func=reward,
+                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
+                          callbacks=[_ClockCallback(clock)])
+    start = time.perf_counter()
+    trainer.train()
+    return start, time.perf_counter(), trainer.state.global_step, clock
+
+
+def run_peer_ac(s):
+    from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from transformers.generation.utils import GenerationMixin
+
+    generate = GenerationMixin.generate
+
+    def fixed_length_generate(self, *args, **kwargs):  # the peer's AC trainers take no generation keywords
+        kwargs.setdefault("min_new_tokens", s["tokens"])
+        return generate(self, *args, **kwargs)
+
+    GenerationMixin.generate = fixed_length_generate
+    config_cls, trainer_cls = (IACConfig, IACTrainer) if s["algorithm"] == "iac" else (MAACConfig, MAACTrainer)
+    config = config_cls(
+        num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"], max_new_tokens=s["tokens"],
+        agent_learning_rate=1e-5, critic_learning_rate=1e-5, rollout_buffer_size=s["items_per_step"] * s["k"],
+        train_batch_size=s["items_per_step"] * s["k"], eval_interval=0, logging_steps=10**9, temperature=1.0,
+        top_p=1.0, top_k=None,
+    )
+    trainer = trainer_cls(agent_model=s["model"], critic_model=s["model"], reward_func=reward,
+                          tokenizer=AutoTokenizer.from_pretrained(s["model"]),
+                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
+    clock = StepClock()
+    last = trainer.agent_optimizers[-1]  # agents update in turn: a team step ends with the last agent's update
+    original_step = last.step
+
+    def timed_step(*args, **kwargs):
+        result = original_step(*args, **kwargs)
+        clock.tick()
+        return result
+
+    last.step = timed_step
+    start = time.perf_counter()
+    trainer.train()
+    return start, time.perf_counter(), len(clock.times), clock
+
+
 def _ClockCallback(clock):
     from transformers import TrainerCallback
 
@@ -130,12 +189,16 @@ def _ClockCallback(clock):
     return ClockCallback()
 
 
+RUNNERS = {("ours", False): run_ours, ("peer", False): run_peer, ("trl", False): run_trl,
+           ("ours", True): run_ours_ac, ("peer", True): run_peer_ac}
+
+
 def main():
     system, settings = sys.argv[1], json.loads(sys.argv[2])
     import torch
 
     torch.set_num_threads(settings["threads"])
-    start, end, steps, clock = {"ours": run_ours, "peer": run_peer, "trl": run_trl}[system](settings)
+    start, end, steps, clock = RUNNERS[system, "algorithm" in settings](settings)
     steady_seconds, steady_steps = clock.steady(start, end, steps)
     joint_per_step = settings["items_per_step"] * settings["k"]  # aligned joint actions scored per step
     print("RESULT " + json.dumps({
