@@ -104,8 +104,9 @@ def _transition(prompt, agent_completions, num_agents, prompt_history_per_agent,
     return [f"Turn {len(prompt_history_per_agent[a]) + 1}: go on" for a in range(num_agents)]
 
 
-@pytest.mark.parametrize("trainer_cls", [IACTrainer, MAACTrainer])
-def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config, trainer_cls):
+@pytest.mark.parametrize("trainer_cls, separate", [(IACTrainer, True), (IACTrainer, False), (MAACTrainer, None)],
+                         ids=["iac", "iac-shared", "maac"])
+def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config, trainer_cls, separate):
     rollouts = []
 
     def callback(samples):
@@ -113,9 +114,11 @@ def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config,
         return {"samples": len(samples)}
 
     config_cls = IACConfig if trainer_cls is IACTrainer else MAACConfig
-    args = _config(make_config, config_cls, num_turns=2, discount=0.5, num_train_epochs=2)
-    trainer = trainer_cls(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                          args=args, external_transition=_transition, metrics_callback=callback)
+    extra = {} if separate is None else {"use_separate_critic": separate}
+    args = _config(make_config, config_cls, num_turns=2, discount=0.5, num_train_epochs=2, **extra)
+    critic = {} if separate is False else {"critic_model": qwen_path}
+    trainer = trainer_cls(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS, args=args,
+                          external_transition=_transition, metrics_callback=callback, **critic)
     trainer.train()
     assert len(rollouts) == 16 and all(len(samples) == 4 for samples in rollouts)  # 2 agents x 2 turns per item
     assert _logged(trainer, "samples") == [4.0] * 4
