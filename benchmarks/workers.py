@@ -33,6 +33,17 @@ class StepClock:
     def tick(self):
         self.times.append(time.perf_counter())
 
+    def after_each_step(self, optimizer):
+        """Tick after every `optimizer.step()` (the peer's loops have no callbacks)."""
+        original_step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            result = original_step(*args, **kwargs)
+            self.tick()
+            return result
+
+        optimizer.step = timed_step
+
     def steady(self, start, end, total_steps):
         """Seconds and steps after the first optimiser step (all of the run when it has a single step)."""
         if total_steps < 2 or not self.times:
@@ -106,15 +117,7 @@ def run_peer(s):
     trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
                             train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
     clock = StepClock()
-    last = trainer.optimizers[-1]  # agents update in turn: a team step ends with the last agent's update
-    original_step = last.step
-
-    def timed_step(*args, **kwargs):
-        result = original_step(*args, **kwargs)
-        clock.tick()
-        return result
-
-    last.step = timed_step
+    clock.after_each_step(trainer.optimizers[-1])  # agents update in turn: a team step ends with the last one's
     start = time.perf_counter()
     trainer.train(min_new_tokens=s["tokens"])  # extra keywords go to generate()
     return start, time.perf_counter(), len(clock.times), clock
@@ -165,15 +168,7 @@ def run_peer_ac(s):
                           tokenizer=AutoTokenizer.from_pretrained(s["model"]),
                           train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
     clock = StepClock()
-    last = trainer.agent_optimizers[-1]  # agents update in turn: a team step ends with the last agent's update
-    original_step = last.step
-
-    def timed_step(*args, **kwargs):
-        result = original_step(*args, **kwargs)
-        clock.tick()
-        return result
-
-    last.step = timed_step
+    clock.after_each_step(trainer.agent_optimizers[-1])  # agents update in turn: a step ends with the last one's
     start = time.perf_counter()
     trainer.train()
     return start, time.perf_counter(), len(clock.times), clock

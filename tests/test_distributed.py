@@ -10,15 +10,21 @@ from pathlib import Path
 import pytest
 
 
-def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
-    script = Path(__file__).parent / "scripts" / "ddp_smoke.py"
+def run_torchrun(script: str, tmp_path, processes: int, *args: str, zero_stage: str | None = None) -> dict:
+    """Run `tests/scripts/<script>` under torchrun and return the JSON of its `RESULT ` line."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if zero_stage is not None:
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=zero_stage)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(Path(__file__).parent / "scripts" / script), str(tmp_path), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    report = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):])
+
+
+def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
+    report = run_torchrun("ddp_smoke.py", tmp_path, 2)
     assert report["world"] == 2 and report["dist"] == "DistributedType.MULTI_CPU"
     assert report["wrapped"] == ["DistributedDataParallel", "DistributedDataParallel"]
     rank0, rank1 = report["after"]
@@ -36,15 +42,7 @@ def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
 @pytest.mark.parametrize("lora", [False, True])
 def test_deepspeed_zero_single_process(tmp_path, stage, lora):
     """One DeepSpeed engine per agent in one process: the second Accelerator must not take a plugin."""
-    script = Path(__file__).parent / "scripts" / "deepspeed_smoke.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
-           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script),
-               str(tmp_path), *(["lora"] if lora else [])]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    report = json.loads(line[len("RESULT "):])
+    report = run_torchrun("deepspeed_smoke.py", tmp_path, 1, *(["lora"] if lora else []), zero_stage=stage)
     assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
     assert report["engine_steps"] == [4, 4] and report["steps"] == 4
     for norms in report["grad_norms"]:
@@ -53,14 +51,7 @@ def test_deepspeed_zero_single_process(tmp_path, stage, lora):
 
 def test_two_process_actor_critic_keeps_actors_and_critics_in_sync(tmp_path):
     """Critic gradients are averaged over processes like the actors' (DDP), so every rank holds the same critic."""
-    script = Path(__file__).parent / "scripts" / "ac_ddp_smoke.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    report = json.loads(line[len("RESULT "):])
+    report = run_torchrun("ac_ddp_smoke.py", tmp_path, 2)
     assert report["world"] == 2
     for name, modules in (("iac-shared", 2), ("iac-separate", 4), ("maac", 3)):
         run = report[name]
@@ -74,15 +65,7 @@ def test_two_process_actor_critic_keeps_actors_and_critics_in_sync(tmp_path):
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_deepspeed_zero_actor_critic(tmp_path, stage):
     """Value heads inside the DeepSpeed engines (IAC) and a critic beside them (MAAC) train under ZeRO."""
-    script = Path(__file__).parent / "scripts" / "ac_deepspeed_smoke.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
-           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script),
-               str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    report = json.loads(line[len("RESULT "):])
+    report = run_torchrun("ac_deepspeed_smoke.py", tmp_path, 1, zero_stage=stage)
     assert report["engines"] == ["DeepSpeedEngine"] * 4 and report["steps"] == [2, 2]
     assert len(report["heads"]) == 3 and all(weight > 0 for weight in report["heads"])
     assert report["value_losses"] == [2, 2]
