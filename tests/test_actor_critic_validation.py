@@ -49,24 +49,24 @@ def test_config_defaults(tmp_path):
     "kwargs, message",
     [
         ({"agents": ["q", "q"], "critic_model": "q"}, "needs tokenizer=... when agents are given"),
-        ({"critic_model": "Q", "args": IACConfig(use_separate_critic=False, output_dir="unused")},
-         "leave critic_model and critics unset"),
-        ({"critics": ["Q", "Q"], "args": IACConfig(use_separate_critic=False, output_dir="unused")},
-         "leave critic_model and critics unset"),
+        ({"critic_model": "Q", "args": {"use_separate_critic": False}}, "leave critic_model and critics unset"),
+        ({"critics": ["Q", "Q"], "args": {"use_separate_critic": False}}, "leave critic_model and critics unset"),
         ({}, r"needs critic_model \(copied for every agent\) or critics \(one per agent, 2 here\)"),
         ({"critics": ["Q"]}, "critics has 1 entries for 2 agents"),
         ({"critics": "Q"}, "critics must be a non-empty list"),
         ({"critic_model": "other", "critics": ["Q", "Q"]}, "critic_model and critics conflict"),
         ({"critic_model": "Q", "model_config": {"torch_dtype": "float32", "bogus": 1}}, r"Unknown model_config keys \['bogus'\]"),
-        ({"critic_model": "Q", "args": MAGRPOConfig(output_dir="unused")}, "args must be a IACConfig"),
+        ({"critic_model": "Q", "args": MAGRPOConfig}, "args must be a IACConfig"),
         ({"critic_model": "Q", "metrics_callback": "not callable"}, "metrics_callback must be a callable"),
     ],
 )
-def test_iac_construction_errors(qwen_path, kwargs, message):
+def test_iac_construction_errors(qwen_path, tmp_path, kwargs, message):
     kwargs = {key: ([qwen_path if v == "Q" else v for v in value] if isinstance(value, list)
                     else qwen_path if value == "Q" else value) for key, value in kwargs.items()}
     kwargs.setdefault("agent_model", None if "agents" in kwargs else qwen_path)
-    kwargs.setdefault("args", IACConfig(output_dir="unused"))
+    args = kwargs.pop("args", {})
+    kwargs["args"] = (args if isinstance(args, type) else IACConfig)(output_dir=str(tmp_path),
+                                                                      **(args if isinstance(args, dict) else {}))
     with pytest.raises((ValueError, TypeError), match=message):
         IACTrainer(reward_func=_reward, train_dataset=ITEMS, **kwargs)
 
@@ -80,12 +80,12 @@ def test_iac_construction_errors(qwen_path, kwargs, message):
          r"model_config\['critic_value_head_hidden_dim'\] must be a positive integer"),
     ],
 )
-def test_maac_construction_errors(qwen_path, kwargs, message):
+def test_maac_construction_errors(qwen_path, tmp_path, kwargs, message):
     kwargs = {key: ([qwen_path] * len(value) if isinstance(value, list) else qwen_path if value == "Q" else value)
               for key, value in kwargs.items()}
     with pytest.raises(ValueError, match=message):
         MAACTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                    args=MAACConfig(output_dir="unused"), **kwargs)
+                    args=MAACConfig(output_dir=str(tmp_path)), **kwargs)
 
 
 def test_a_critic_model_object_is_copied_for_every_agent(qwen_path, tmp_path):
