@@ -113,6 +113,27 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_checkpoint_options(interval, total_limit) -> None:
+    """Validate `train(checkpoint_interval=..., checkpoint_total_limit=...)`."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"checkpoint_interval must be a positive integer, got {interval!r}.")
+    if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
+                                    or total_limit < 1):
+        raise ValueError(f"checkpoint_total_limit must be a positive integer or None, got {total_limit!r}.")
+
+
+def refuse_foreign_checkpoints(root: str | None, run_id: str) -> None:
+    """A checkpoint directory belongs to one run: refuse to write next to another run's checkpoints."""
+    if root is None:
+        return
+    foreign = [path for _, path in list_checkpoints(root) if read_checkpoint_metadata(path)["run_id"] != run_id]
+    if foreign:
+        raise FileExistsError(
+            f"{root!r} already holds checkpoints of another run ({os.path.basename(foreign[0])}, ...). Use a new "
+            "checkpoint directory, or resume from one of them."
+        )
+
+
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str) -> None:
     """Refuse to resume into a different run: name every field of the fingerprint that differs."""
     differences = [f"{key}: checkpoint has {saved.get(key)!r}, this trainer has {current[key]!r}"

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..reinforce.magrpo_config import MAGRPOConfig
+from ..reinforce.magrpo_config import MAGRPOConfig, post_init_with_one_generation
 
 
 _MIN_SAMPLES_PER_STEP = 8
@@ -83,17 +83,7 @@ class ActorCriticConfig(MAGRPOConfig):
     def _grpo_post_init(self):
         if self.num_generations != 1:
             return super()._grpo_post_init()
-        # TRL's GRPOConfig insists on 2+ generations for its group baseline, which a critic replaces. Its batch
-        # arithmetic is homogeneous in the group size, so run it with doubled sizes and halve them back.
-        self.num_generations, self.per_device_train_batch_size = 2, self.per_device_train_batch_size * 2
-        if self.generation_batch_size is not None:
-            self.generation_batch_size *= 2
-        try:
-            super()._grpo_post_init()
-        finally:
-            self.num_generations, self.per_device_train_batch_size = 1, self.per_device_train_batch_size // 2
-            if self.generation_batch_size is not None:
-                self.generation_batch_size //= 2
+        post_init_with_one_generation(self, super()._grpo_post_init)
 
 
 @dataclass

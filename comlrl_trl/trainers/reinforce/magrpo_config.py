@@ -251,6 +251,23 @@ class MAReMaxConfig(MAGRPOConfig):
     advantage_mode: Literal["mean", "raw", "max", "rloo"] = field(default="max", metadata={"help": "Group baseline."})
 
 
+def post_init_with_one_generation(config, post_init) -> None:
+    """Run TRL's GRPOConfig checks for a configuration with `num_generations=1` (critic-based trainers).
+
+    GRPOConfig insists on 2+ generations for its group baseline. Its batch arithmetic is homogeneous in the group
+    size, so run `post_init` with doubled sizes and halve them back.
+    """
+    config.num_generations, config.per_device_train_batch_size = 2, config.per_device_train_batch_size * 2
+    if config.generation_batch_size is not None:
+        config.generation_batch_size *= 2
+    try:
+        post_init()
+    finally:
+        config.num_generations, config.per_device_train_batch_size = 1, config.per_device_train_batch_size // 2
+        if config.generation_batch_size is not None:
+            config.generation_batch_size //= 2
+
+
 def _merge_alias(spec_name, spec_value, trl_name, trl_value, default):
     """Resolve a spec field and its TRL twin: either may be set; both set to different values is an error."""
     if spec_value is not None and trl_value is not None and spec_value != trl_value:

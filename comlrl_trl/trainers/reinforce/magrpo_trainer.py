@@ -33,13 +33,14 @@ from ...checkpoint import (
     CHECKPOINT_VERSION,
     METADATA_NAME,
     STATE_NAME,
+    check_checkpoint_options,
     check_compatible,
     commit,
     latest_checkpoint,
-    list_checkpoints,
     model_fingerprint,
     prune,
     read_checkpoint_metadata,
+    refuse_foreign_checkpoints,
     staging_dir,
     tokenizer_fingerprint,
 )
@@ -287,11 +288,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         return output
 
     def _configure_checkpoints(self, checkpoint_dir, interval, total_limit) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"checkpoint_interval must be a positive integer, got {interval!r}.")
-        if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
-                                        or total_limit < 1):
-            raise ValueError(f"checkpoint_total_limit must be a positive integer or None, got {total_limit!r}.")
+        check_checkpoint_options(interval, total_limit)
         if checkpoint_dir is not None and self.args.save_strategy != "no":
             raise ValueError(
                 "Pass either checkpoint_dir to train() (a checkpoint per completed epoch) or TRL's save_strategy "
@@ -325,14 +322,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             self._run_id, self._checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:
             self._run_id, self._checkpoint_sequence = uuid.uuid4().hex, 0
-        if root is not None:
-            foreign = [path for _, path in list_checkpoints(root)
-                       if read_checkpoint_metadata(path)["run_id"] != self._run_id]
-            if foreign:
-                raise FileExistsError(
-                    f"{root!r} already holds checkpoints of another run ({os.path.basename(foreign[0])}, ...). "
-                    "Use a new checkpoint directory, or resume from one of them."
-                )
+        refuse_foreign_checkpoints(root, self._run_id)
         return self._resume_path
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
