@@ -1,0 +1,202 @@
+"""MADPO: joint direct preference optimisation of a team, on the MAGRPO team loop.
+
+Every generation step samples C joint candidates per task item with the current agents, ranks them with the task
+reward and forms chosen/rejected pairs (as MARLHF does). Agent i's loss on a pair is −log σ(β (Δ_i + Σ_{j≠i} Δ_j)),
+Δ_j being agent j's log-ratio of its chosen over its rejected completion; the other agents' terms are computed with
+the weights of the generation step and held fixed. The team loop, followers, LoRA, Accelerate, logging and
+checkpoints are [`MAGRPOTrainer`]'s.
+"""
+
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.trainer.utils import pad, selective_log_softmax
+
+from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
+from ...orchestrator import completion_text
+from ..agent import FollowerGRPOTrainer
+from ..reinforce.magrpo_trainer import MAGRPOTrainer
+from .madpo_config import MADPOConfig
+from .pairs import pair_rng
+
+
+def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    width = completion_ids.size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False).logits
+    per_token = selective_log_softmax(logits[:, :-1, :], completion_ids)  # position t predicts completion token t
+    return (per_token * completion_mask).sum(dim=1)
+
+
+class JointDPOLoss:
+    """The loss of one agent's trainer: its joint DPO term on the pair batch it was handed (chosen rows first)."""
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        num_pairs = inputs["others_logratio"].size(0)
+        if num_pairs == 0:  # every item of this micro-batch had tied candidates: a zero loss that keeps the graph
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        logps = sequence_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                               inputs["completion_mask"])
+        own = dpo_logratio(logps[:num_pairs], logps[num_pairs:]) - inputs["ref_logratio"]
+        loss = madpo_loss(own, inputs["others_logratio"], self.args.dpo_beta).mean()
+        joint = own.detach() + inputs["others_logratio"]
+        gather = self.accelerator.gather
+        self._metrics[mode]["dpo/loss"].append(gather(loss.detach()).mean().item())
+        self._metrics[mode]["dpo/accuracy"].append(gather((joint > 0).float().mean()).mean().item())
+        self._metrics[mode]["dpo/logratio"].append(gather(own.detach().mean()).mean().item())
+        self._metrics[mode]["dpo/joint_logratio"].append(gather(joint.mean()).mean().item())
+        return loss / normalizer
+
+
+class MADPOFollower(JointDPOLoss, FollowerGRPOTrainer):
+    """An agent after the first, trained with its joint DPO term."""
+
+
+class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
+    """
+    Trainer for cooperative LLM agents with joint direct preference optimisation (MADPO).
+
+    Arguments are those of [`MAGRPOTrainer`], with a [`MADPOConfig`]: `reward_func` (and `reward_processor`) is the
+    task reward that ranks the candidates and scores evaluation. One micro-step trains every agent on the pairs of
+    `per_device_train_batch_size / preference_num_candidates` task items; items whose candidates all tie add no pair.
+
+    Logged per agent: `agent_i/dpo/loss`, `agent_i/dpo/accuracy` (share of pairs whose joint log-ratio is positive),
+    `agent_i/dpo/logratio` (its own Δ_i), `agent_i/dpo/joint_logratio`; for the team `preference/pairs`,
+    `preference/chosen_reward_mean`, `preference/rejected_reward_mean` and `turn_1/reward_mean` (mean task reward
+    of the candidates). `env_step` counts the joint candidates scored.
+
+    Example:
+
+    ```python
+    >>> trainer = MADPOTrainer(agent_model="path/to/model", num_agents=2, reward_func=reward_func,
+    ...                        train_dataset=dataset, args=MADPOConfig(num_agents=2, preference_num_candidates=8))
+    >>> trainer.train()
+    ```
+    """
+
+    default_config_cls = MADPOConfig
+    follower_cls = MADPOFollower
+    algorithm_name = "MADPO"
+    _tag_names = ["trl", "dpo", "comlrl_trl", "madpo"]
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args")
+        if config is not None and not isinstance(config, MADPOConfig):
+            raise TypeError(f"args must be a MADPOConfig, got {type(config).__name__}.")
+        if config is not None and config.per_device_train_batch_size % config.num_generations != 0:
+            raise ValueError(
+                f"per_device_train_batch_size={config.per_device_train_batch_size} must be a multiple of "
+                f"preference_num_candidates={config.num_generations}: a micro-step trains on whole items' pairs."
+            )
+        super().__init__(*args, **kwargs)
+
+    def _run_config(self) -> dict[str, Any]:
+        return {**super()._run_config(), "dpo_beta": self.args.dpo_beta,
+                "use_reference_model": self.args.use_reference_model, "pair_selection": self.args.pair_selection,
+                "preference_pairs_per_sample": self.args.preference_pairs_per_sample}
+
+    def _prepare_inputs(self, generation_batch):
+        if isinstance(generation_batch, dict):  # a ready micro-batch
+            return generation_batch
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            slots = self._generate_pair_batches(generation_batch)  # [agent][slot]
+            self._buffered_inputs = slots[0]
+            for follower, agent_slots in zip(self._team[1:], slots[1:]):
+                follower._buffered_inputs = agent_slots
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _generate_pair_batches(self, rows: list[dict[str, Any]]) -> list[list[dict[str, torch.Tensor]]]:
+        """Sample, rank and pair the candidates of the local generation batch; one pair batch per agent and slot."""
+        args, count = self.args, self.args.num_generations
+        items = len(rows) // count * self.accelerator.num_processes
+        self._maybe_evaluate(first_item=self._epoch_items, num_items=items)
+        nodes = [self.orchestrator._root(item, f"task item {self._epoch_items + g}") for g, item in enumerate(rows[::count])]
+        rollouts = [agent._generate([node.prompts[a] for node in nodes for _ in range(count)])
+                    for a, agent in enumerate(self._team)]
+        texts = [[completion_text(c) for c in rollout[3]] for rollout in rollouts]
+        item_pairs, means, chosen, rejected = [], [], [], []
+        for g, node in enumerate(nodes):
+            candidates = [agent_texts[g * count:(g + 1) * count] for agent_texts in texts]
+            rewards = self.orchestrator.joint_reward(candidates, node.item, node.item_label)
+            index = self._epoch_items + g
+            rng = pair_rng(args.seed, self.state.global_step, index) if args.pair_selection == "random" else None
+            indices = select_preference_pairs(rewards, args.pair_selection, args.preference_pairs_per_sample, rng)
+            item_pairs.append([(g * count + i, g * count + j) for i, j in indices])  # rows of the generation batch
+            means.append(sum(rewards) / len(rewards))
+            chosen.extend(rewards[i] for i, _ in indices)
+            rejected.extend(rewards[j] for _, j in indices)
+        self._epoch_items += items
+        self.env_step += count * items
+        self._log_pair_metrics(means, chosen, rejected)
+        per_slot = len(nodes) // args.steps_per_generation
+        slots = [[row for pairs in item_pairs[s * per_slot:(s + 1) * per_slot] for row in pairs]
+                 for s in range(args.steps_per_generation)]
+        return self._score_slots(slots, rollouts)
+
+    def _score_slots(self, slots: list[list[tuple[int, int]]], rollouts) -> list[list[dict[str, torch.Tensor]]]:
+        """Token tensors of every slot's pairs per agent, the others' log-ratios and the reference log-ratios."""
+        batches = [[_pair_tensors(agent, rollout, pairs) for pairs in slots]
+                   for agent, rollout in zip(self._team, rollouts)]
+        for s in range(len(slots)):
+            with torch.no_grad():
+                policy, reference = zip(*[self._logratios(agent, agent_batches[s])
+                                          for agent, agent_batches in zip(self._team, batches)])
+            deltas = torch.stack(policy) - torch.stack(reference)  # (agents, pairs)
+            others = others_logratio(deltas)
+            for a, agent_batches in enumerate(batches):
+                agent_batches[s]["others_logratio"] = others[a]
+                agent_batches[s]["ref_logratio"] = reference[a]
+        return batches
+
+    def _logratios(self, agent, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Agent's policy log-ratio (chosen over rejected) with the current weights, and the reference's (or 0)."""
+        num_pairs = batch["completion_ids"].size(0) // 2
+        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+        if num_pairs == 0:
+            empty = torch.zeros(0, device=self.accelerator.device)
+            return empty, empty
+        logps = sequence_logps(agent.model, *inputs)
+        policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
+        if not self.args.use_reference_model:
+            return policy, torch.zeros_like(policy)
+        if agent.ref_model is not None:
+            ref = sequence_logps(agent.ref_model, *inputs)
+        elif is_peft_model(agent.model):  # the reference is the model with its adapter disabled, as in TRL
+            with agent.accelerator.unwrap_model(agent.model).disable_adapter():
+                ref = sequence_logps(agent.model, *inputs)
+        else:
+            raise RuntimeError(f"use_reference_model=True but agent {self._team.index(agent)} has no reference model.")
+        return policy, dpo_logratio(ref[:num_pairs], ref[num_pairs:])
+
+    def _log_pair_metrics(self, means: list[float], chosen: list[float], rejected: list[float]) -> None:
+        self._joint_metrics["turn_1/reward_mean"].extend(self._gather_lists(means))
+        chosen, rejected = self._gather_lists(chosen), self._gather_lists(rejected)
+        self._joint_metrics["preference/pairs"].append(float(len(chosen)))
+        self._joint_metrics["preference/chosen_reward_mean"].extend(chosen)
+        self._joint_metrics["preference/rejected_reward_mean"].extend(rejected)
+
+
+def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Prompt (left-padded) and completion (right-padded) tokens of the chosen rows, then of the rejected rows."""
+    prompt_ids, completion_ids = rollout[0], rollout[1]
+    rows = [w for w, _ in pairs] + [r for _, r in pairs]
+    device = agent.accelerator.device
+    pad_id = agent.processing_class.pad_token_id
+    if not rows:
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": empty, "completion_mask": empty}
+    prompts = [torch.tensor(prompt_ids[r]) for r in rows]
+    completions = [torch.tensor(completion_ids[r]) for r in rows]
+    return {
+        "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
+        "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
+        "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
+        "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0,
+                               padding_side="right").to(device),
+    }

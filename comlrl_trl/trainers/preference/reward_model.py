@@ -1,0 +1,189 @@
+"""The joint reward model of MARLHF: TRL's RewardTrainer on joint responses, and scoring with the frozen model."""
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_utils import set_seed
+from trl import RewardTrainer
+from trl.data_utils import get_dataset_column_names
+from trl.trainer.reward_trainer import suppress_seqcls_warning
+from trl.trainer.utils import create_model_from_path
+
+from ...formatters import format_prompt
+from ...joint_reward import JointReward
+
+
+_HEAD_NAMES = ("score", "classifier")
+
+
+def load_reward_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """The reward model's own tokenizer, with a pad token (EOS when it has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"The reward model's tokenizer ({source!r}) has no EOS token, which ends every joint text.")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_reward_backbone(source: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A sequence-classification model with one output from `source` (a causal LM gets a new, seeded `score` head)."""
+    set_seed(seed)  # the new head is random: seed it, as TRL's RewardTrainer does
+    with suppress_seqcls_warning():
+        model = create_model_from_path(source, AutoModelForSequenceClassification, num_labels=1)
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last non-pad token is scored
+    return model
+
+
+def reward_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The scalar head of a sequence-classification model (`score` or `classifier`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in _HEAD_NAMES:
+        head = getattr(base, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(f"{type(base).__name__} has no reward head named {' or '.join(_HEAD_NAMES)}; "
+                     "reward_freeze_backbone needs one.")
+
+
+def freeze_reward_backbone(model: torch.nn.Module) -> None:
+    """Train only the scalar head."""
+    head = reward_head(model)
+    model.requires_grad_(False)
+    head.requires_grad_(True)
+
+
+def encode_joint_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int | None) -> list[list[int]]:
+    """Token ids of joint texts for the reward model: truncated to `max_length - 1` tokens, then EOS.
+
+    Training and scoring both use this function, so the reward model sees the same inputs in both.
+    """
+    encoded = []
+    for ids in tokenizer(list(texts))["input_ids"]:
+        if max_length is not None:
+            ids = ids[: max_length - 1]
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids = [*ids, tokenizer.eos_token_id]
+        encoded.append(ids)
+    return encoded
+
+
+class JointRewardTrainer(RewardTrainer):
+    """
+    TRL's [`~trl.RewardTrainer`] for joint responses: Bradley-Terry loss, optional `margin` column and
+    `center_rewards_coefficient`, PEFT, logging and Accelerate all stay TRL's.
+
+    The training rows are `{"chosen": str, "rejected": str}` joint texts (optionally with `"prompt"`, prepended to
+    both, and `"margin"`). Texts are tokenised with [`encode_joint_texts`]: `args.max_length` truncates (TRL would drop
+    longer rows) and every sequence ends with EOS.
+
+    Args:
+        freeze_backbone (`bool`, *optional*, defaults to `False`):
+            Train only the scalar head. Not combinable with `peft_config`.
+        Other arguments: as [`~trl.RewardTrainer`].
+    """
+
+    _tag_names = ["trl", "reward-trainer", "comlrl_trl", "marlhf"]
+
+    def __init__(self, model, args=None, train_dataset=None, processing_class=None, peft_config=None,
+                 freeze_backbone: bool = False, **kwargs):
+        if freeze_backbone and peft_config is not None:
+            raise ValueError("reward_freeze_backbone=True trains only the head, so a reward peft_config has nothing "
+                             "to adapt; use one or the other.")
+        super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
+                         peft_config=peft_config, **kwargs)
+        if freeze_backbone:
+            freeze_reward_backbone(self.model)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        columns = get_dataset_column_names(dataset)
+        first = next(iter(dataset)) if "chosen" in columns else None
+        if first is not None and "chosen_ids" not in columns and isinstance(first["chosen"], str):
+            def tokenize(row):
+                prefix = row.get("prompt") or ""
+                chosen, rejected = encode_joint_texts(processing_class, [prefix + row["chosen"], prefix + row["rejected"]],
+                                                      args.max_length)
+                return {"chosen_ids": chosen, "rejected_ids": rejected}
+
+            removed = [name for name in ("prompt", "chosen", "rejected") if name in columns]
+            dataset = dataset.map(tokenize, remove_columns=removed, desc=f"Tokenizing {dataset_name} joint texts")
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+
+class RewardModelScorer:
+    """Scores joint texts with a frozen reward model: right padding, the logit at the last non-pad token."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int | None,
+                 batch_size: int = 8, device: torch.device | str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        if device is not None:
+            self.model.to(device)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.batch_size = batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def score(self, texts: Sequence[str]) -> list[float]:
+        scores = []
+        encoded = encode_joint_texts(self.tokenizer, texts, self.max_length)
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(encoded), self.batch_size):
+            batch = encoded[start:start + self.batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in batch], device=self.device)
+            attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch],
+                                          device=self.device)
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            scores.extend(logits[:, 0].float().tolist())
+        return scores
+
+
+class LearnedJointReward:
+    """
+    The joint reward of the RL stage: the frozen reward model's score of every joint text.
+
+    Called like a task reward, `(*agent_completions, batch_items=[item])`, it rebuilds every agent's prompt with its
+    formatter and scores `joint_formatter(prompts, completions)` for each joint action. Learned scores do not go
+    through `reward_processor`. Inside `task_reward_mode()` (evaluation) it returns the task reward instead,
+    processed, with whatever count the task reward returns (the trainer checks it against its own contract).
+    """
+
+    def __init__(self, task_reward: JointReward, formatters: list[Callable], joint_formatter: Callable):
+        self.task_reward = task_reward
+        self.formatters = formatters
+        self.joint_formatter = joint_formatter
+        self.scorer: RewardModelScorer | None = None
+        self._use_task_reward = False
+
+    @contextlib.contextmanager
+    def task_reward_mode(self):
+        previous, self._use_task_reward = self._use_task_reward, True
+        try:
+            yield
+        finally:
+            self._use_task_reward = previous
+
+    def joint_texts(self, item: dict[str, Any], agent_completions: Sequence[Sequence[str]]) -> list[str]:
+        prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
+        texts = []
+        for j in range(len(agent_completions[0])):
+            text = self.joint_formatter(prompts, [completions[j] for completions in agent_completions])
+            if not isinstance(text, str):
+                raise TypeError(f"joint_formatter must return a string, got {type(text).__name__}.")
+            texts.append(text)
+        return texts
+
+    def __call__(self, *agent_completions, batch_items):
+        item = batch_items[0]
+        if self._use_task_reward:
+            return self.task_reward.values([list(c) for c in agent_completions], item, "an evaluation item")
+        if self.scorer is None:
+            raise RuntimeError("The reward model is not trained yet: the RL stage runs after the preference stage.")
+        return self.scorer.score(self.joint_texts(item, agent_completions))

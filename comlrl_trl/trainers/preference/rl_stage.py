@@ -1,0 +1,150 @@
+"""The online RL stage of MARLHF: a team trainer of the chosen algorithm whose reward is the learned joint reward.
+
+The stage trainer is an ordinary [`MAGRPOTrainer`] (REINFORCE family) or [`IACTrainer`]/[`MAACTrainer`] with one
+change: evaluation always scores with the task reward. It is built once and trained once per preference iteration.
+"""
+
+import copy
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ...orchestrator import completion_text
+from ..actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+from ..reinforce.magrpo_trainer import MAGRPOTrainer
+from .marlhf_config import MARLHFConfig
+from .reward_model import LearnedJointReward
+
+
+# MARLHF fields that configure the preference stages, never the RL stage's own configuration.
+_PREFERENCE_FIELDS = frozenset({
+    "rl_algorithm", "advantage_mode", "preference_num_candidates", "preference_pairs_per_sample", "pair_selection",
+    "reward_model_name", "reward_model_device", "reward_learning_rate", "reward_num_train_epochs",
+    "reward_train_batch_size", "reward_max_length", "reward_freeze_backbone", "reward_center_rewards_coefficient",
+    "reward_use_margin", "preference_output_dir", "critic_model_name", "rl_num_iterations",
+})
+
+
+class TaskRewardEvaluation:
+    """Evaluation of the RL stage uses the task reward (and its processor), never the learned one."""
+
+    learned_reward: LearnedJointReward
+
+    def evaluate(self, *args, **kwargs):
+        with self.learned_reward.task_reward_mode():
+            return super().evaluate(*args, **kwargs)
+
+
+class MAGRPOStageTrainer(TaskRewardEvaluation, MAGRPOTrainer):
+    """The MARLHF RL stage with a REINFORCE-family algorithm (the baseline comes from `advantage_mode`)."""
+
+    algorithm_name = "MARLHF"
+
+
+class IACStageTrainer(TaskRewardEvaluation, IACTrainer):
+    """The MARLHF RL stage with independent actor-critic."""
+
+    algorithm_name = "MARLHF-IAC"
+
+
+class MAACStageTrainer(TaskRewardEvaluation, MAACTrainer):
+    """The MARLHF RL stage with a centralised critic."""
+
+    algorithm_name = "MARLHF-MAAC"
+
+
+# rl_algorithm -> (stage trainer, its configuration class) for the actor-critic back ends
+ACTOR_CRITIC_STAGES = {"iac": (IACStageTrainer, IACConfig), "maac": (MAACStageTrainer, MAACConfig)}
+
+
+def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
+    """The RL stage's configuration. Create it before any trainer: new TrainingArguments reset Accelerate's state.
+
+    The REINFORCE family uses `args` itself (a copy when GRPO's μ is set separately, see [`MARLHFIterConfig`]). An
+    actor-critic stage gets an `IACConfig`/`MAACConfig` built from the fields set by hand in `args`, so that its own
+    defaults apply to the rest.
+    """
+    if not args.uses_actor_critic:
+        if rl_num_iterations is None:  # MARLHFConfig: num_iterations is GRPO's mu, as in TRL
+            return args
+        config = copy.deepcopy(args)  # deepcopy does not rerun __post_init__, so the Accelerate state is kept
+        config.num_iterations = rl_num_iterations
+        return config
+    _, config_cls = ACTOR_CRITIC_STAGES[args.rl_algorithm]
+    known = {f for f in config_cls.__dataclass_fields__ if config_cls.__dataclass_fields__[f].init}
+    kwargs = {name: value for name, value in args.explicit_fields().items()
+              if name in known and name not in _PREFERENCE_FIELDS}
+    kwargs["num_generations"] = args.num_generations
+    if rl_num_iterations is not None:  # MARLHFIterConfig: num_iterations counts preference iterations
+        kwargs["num_iterations"] = rl_num_iterations
+    return config_cls(**kwargs)
+
+
+def build_stage_trainer(args: MARLHFConfig, stage_args, learned_reward: LearnedJointReward, *, agent_model, agents,
+                        num_agents, tokenizer, formatters, train_dataset, eval_dataset, external_transition,
+                        wandb_config, eval_logger, eval_aggregator, peft_config, callbacks, critic_model, critics,
+                        metrics_callback, model_config, critic_peft_config) -> MAGRPOTrainer:
+    """The stage trainer for `args.rl_algorithm`, rewarded by `learned_reward` (no reward processor: learned scores
+    are used as they are)."""
+    common = dict(agent_model=agent_model, agents=agents, tokenizer=tokenizer, formatters=formatters,
+                  reward_func=learned_reward, reward_processor=None, train_dataset=train_dataset,
+                  eval_dataset=eval_dataset, args=stage_args, external_transition=external_transition,
+                  wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
+    if args.uses_actor_critic:
+        trainer_cls, _ = ACTOR_CRITIC_STAGES[args.rl_algorithm]
+        if args.rl_algorithm == "maac" and args.critic_value_head_hidden_dim is not None:
+            # MAAC takes its critic head size through model_config; MARLHFConfig has a field for it
+            model_config = {**(model_config or {}), "critic_value_head_hidden_dim": args.critic_value_head_hidden_dim}
+        trainer = trainer_cls(critic_model=critic_model, critics=critics, model_config=model_config,
+                              metrics_callback=metrics_callback, critic_peft_config=critic_peft_config, **common)
+    else:
+        trainer = MAGRPOStageTrainer(num_agents=num_agents, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
+                                     **common)
+    trainer.learned_reward = learned_reward
+    return trainer
+
+
+def reset_for_new_stage(trainer: MAGRPOTrainer) -> None:
+    """Prepare a stage trainer that already trained for another `train()`: fresh agent optimisers and schedulers,
+    no buffered rollout, counters of the previous stage cleared (env_step keeps counting)."""
+    for agent in trainer._team:
+        agent.optimizer, agent.lr_scheduler = None, None
+        agent._step, agent._buffered_inputs = 0, None
+        agent._metrics["train"].clear()
+    trainer._epoch_items = 0
+    trainer._joint_metrics.clear()
+    trainer._last_logged_env_step = trainer.env_step
+    trainer._last_logged_global_step = 0
+    trainer._follower_loss = [0.0] * (len(trainer._team) - 1)
+    for norms in trainer._follower_grad_norms:
+        norms.clear()
+
+
+def sample_candidates(trainer: MAGRPOTrainer, prompts: list[Any], count: int) -> list[list[str]]:
+    """`count` completions per agent for one task item (`prompts[agent]`): one batched TRL `_generate` per agent.
+
+    Returns `[agent][candidate]`; candidate j of every agent forms joint candidate j.
+    """
+    return [[completion_text(c) for c in agent._generate([prompts[a]] * count)[3]]
+            for a, agent in enumerate(trainer._team)]
+
+
+def default_source(sources: list, what: str, name_field: str) -> str:
+    """The model id of the first agent, for a model that defaults to the actors' (reward model, critic)."""
+    names = []
+    for source in sources:
+        if not isinstance(source, str):
+            raise ValueError(f"{name_field} must be set in MARLHFConfig when the agents are model objects: they "
+                             f"carry no model id to load the {what} from.")
+        adapter = os.path.join(source, "adapter_config.json")
+        if os.path.isfile(adapter):  # a saved LoRA agent: its base model
+            with open(adapter) as f:
+                source = json.load(f)["base_model_name_or_path"]
+        names.append(source)
+    return names[0]
+
+
+def check_callable(value: Callable | None, name: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a callable, got {type(value).__name__}.")

@@ -1,0 +1,130 @@
+"""MADPO on tiny offline models: every agent trains on joint pairs, the others' terms are the pre-update log-ratios,
+reference models (full and LoRA), ties, resume and configuration errors."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import changed, length_ratio_reward, snapshot
+from peft import LoraConfig
+
+from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer
+from comlrl_trl.trainers.preference.madpo_trainer import sequence_logps
+
+
+ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
+
+
+def _config(make_config, **overrides):
+    settings = dict(config_cls=MADPOConfig, num_generations=None, preference_num_candidates=4,
+                    preference_pairs_per_sample=3, max_new_tokens=6, learning_rate=0.05, lr_scheduler_type="constant",
+                    dpo_beta=0.5)
+    settings.update(overrides)
+    return make_config(**settings)
+
+
+def _trainer(path, make_config, reward_func=length_ratio_reward, **kwargs):
+    return MADPOTrainer(agent_model=path, reward_func=reward_func, train_dataset=ITEMS,
+                        args=_config(make_config, **kwargs.pop("config", {})), **kwargs)
+
+
+def _logged(trainer, key):
+    return [row[key] for row in trainer.state.log_history if key in row]
+
+
+def test_madpo_trains_every_agent_on_joint_pairs(qwen_path, make_config):
+    trainer = _trainer(qwen_path, make_config)
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    for i, model in enumerate(trainer.agents):
+        assert changed(before[i], model) == set(before[i]), f"agent {i}: some parameters did not change"
+        losses = _logged(trainer, f"agent_{i}/dpo/loss")
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    assert _logged(trainer, "preference/pairs") == [3.0] * 4  # 4 distinct rewards per item, capped at 3
+    chosen, rejected = _logged(trainer, "preference/chosen_reward_mean"), _logged(trainer, "preference/rejected_reward_mean")
+    assert all(c > r for c, r in zip(chosen, rejected))
+    assert trainer.env_step == 4 * 4 and len(_logged(trainer, "turn_1/reward_mean")) == 4
+    assert type(trainer._team[1]).__name__ == "MADPOFollower"
+
+
+def test_each_agent_gets_the_other_agents_pre_update_log_ratios(qwen_path, make_config):
+    trainer = _trainer(qwen_path, make_config, config=dict(preference_pairs_per_sample=None, pair_selection="all"))
+    rows = [dict(ITEMS[0]) for _ in range(4)]
+    slots = trainer._generate_pair_batches(rows)  # [agent][slot]
+    batches = [agent_slots[0] for agent_slots in slots]
+    num_pairs = batches[0]["others_logratio"].numel()
+    assert num_pairs > 0 and all(b["completion_ids"].size(0) == 2 * num_pairs for b in batches)
+    deltas = []
+    with torch.no_grad():
+        for agent, batch in zip(trainer.agents, batches):
+            logps = sequence_logps(agent, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"])
+            deltas.append(logps[:num_pairs] - logps[num_pairs:])
+    assert torch.allclose(batches[0]["others_logratio"], deltas[1], atol=1e-5)
+    assert torch.allclose(batches[1]["others_logratio"], deltas[0], atol=1e-5)
+    assert not batches[0]["others_logratio"].requires_grad
+    assert torch.equal(batches[0]["ref_logratio"], torch.zeros(num_pairs))  # reference-free by default
+    # Chosen rows are the candidates with the higher task reward, for both agents (aligned joint candidates).
+    decode = [agent.processing_class.batch_decode for agent in trainer._team]
+    texts = [decode[a](batches[a]["completion_ids"], skip_special_tokens=True) for a in range(2)]
+    rewards = length_ratio_reward(texts[0], texts[1], batch_items=rows[:1])
+    assert all(rewards[p] > rewards[num_pairs + p] for p in range(num_pairs))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_reference_model_makes_the_first_loss_log_two(qwen_path, make_config, lora):
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    trainer = _trainer(qwen_path, make_config, config=dict(use_reference_model=True), peft_config=peft_config)
+    assert trainer.args.beta == 0.5  # TRL loads the reference because beta != 0
+    assert (trainer.ref_model is None) == lora  # with LoRA the reference is the model with its adapter disabled
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    for i in range(2):
+        losses = _logged(trainer, f"agent_{i}/dpo/loss")
+        assert losses[0] == pytest.approx(math.log(2.0), abs=1e-5)  # policy == reference: Δ = 0 for every agent
+        assert losses[-1] != pytest.approx(math.log(2.0), abs=1e-5)
+        moved = changed(before[i], trainer.agents[i])
+        assert moved and (not lora or all("lora_" in name for name in moved))
+
+
+def test_tied_candidates_make_no_pairs_and_no_update(qwen_path, make_config):
+    trainer = _trainer(qwen_path, make_config, reward_func=lambda first, second: [1.0] * len(first))
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert _logged(trainer, "preference/pairs") == [0.0] * 4
+    for i, model in enumerate(trainer.agents):
+        assert changed(before[i], model) == set()
+
+
+def test_resume_gives_the_same_weights(qwen_path, make_config, tmp_path):
+    straight = _trainer(qwen_path, make_config, config=dict(num_train_epochs=2))
+    straight.train()
+    first = _trainer(qwen_path, make_config, config=dict(num_train_epochs=1))
+    first.train(checkpoint_dir=tmp_path / "ckpt")
+    resumed = _trainer(qwen_path, make_config, config=dict(num_train_epochs=2))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"), checkpoint_dir=tmp_path / "ckpt")
+    for model_a, model_b in zip(straight.agents, resumed.agents):
+        for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+            assert torch.equal(p, q), name
+    assert _logged(resumed, "agent_1/dpo/loss") == _logged(straight, "agent_1/dpo/loss")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dpo_beta=0.0), "dpo_beta must be a number > 0"),
+    (dict(num_generations=8), "num_generations=8 differs from preference_num_candidates=4"),
+    (dict(beta=0.04), "beta=0.04 is TRL's GRPO KL coefficient"),
+    (dict(num_turns=2), "num_turns=1 only"),
+    (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
+    (dict(pair_selection="best"), "pair_selection must be one of"),
+])
+def test_config_errors(make_config, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _config(make_config, **overrides)
+
+
+def test_micro_batches_hold_whole_items(qwen_path, make_config):
+    with pytest.raises(ValueError, match="must be a multiple of preference_num_candidates=4"):
+        _trainer(qwen_path, make_config, config=dict(per_device_train_batch_size=2, steps_per_generation=2))
+    with pytest.raises(TypeError, match="args must be a MADPOConfig"):
+        MADPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=ITEMS, args=make_config())
