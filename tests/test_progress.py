@@ -16,6 +16,9 @@ def test_eval_and_summary_lines():
     assert format_log_line({"env_step": 8, "eval/turn_1/reward_mean": 0.5}, step=2) == (
         "eval at env_step 8 | turn_1/reward_mean 0.5")
     assert format_log_line({"train_runtime": 12.34}, step=3) == "done in 12.3 s"
+    assert format_log_line({"env_step": 40, "preference/pairs": 12.0, "reward_model/accuracy": 0.75,
+                            "reward_model/loss": 0.4}, step=0) == (
+        "step 0 | env_step 40 | preference/pairs 12 | reward_model/accuracy 0.75 | reward_model/loss 0.4")
     assert format_log_line({"learning_rate": 1e-5}, step=3) is None
 
 

@@ -7,7 +7,8 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # The metrics worth a glance, in the order they are shown.
-_HEADLINE = ("turn_1/reward_mean", "turn_1/expected_return", "loss", "turn_1/reference_kl_mean")
+_HEADLINE = ("turn_1/reward_mean", "turn_1/expected_return", "loss", "turn_1/reference_kl_mean", "critic/value_loss",
+             "preference/pairs", "reward_model/accuracy", "reward_model/loss")
 
 
 class TeamProgressCallback(TrainerCallback):
