@@ -230,10 +230,15 @@ class MARLHFTrainer(PreferenceCheckpoints):
         try:
             for agent in rl._team:
                 agent.model.eval()
-            for index in range(process, len(self.train_dataset), processes):
-                item = self.train_dataset[index]
+            total = len(self.train_dataset)
+            # Every process generates the same number of times (ZeRO-3 gathers weights collectively during
+            # generation); a process past the end repeats the last item and drops what it samples.
+            for index in range(process, -(-total // processes) * processes, processes):
+                item = self.train_dataset[min(index, total - 1)]
                 prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
                 candidates = sample_candidates(rl, prompts, count)
+                if index >= total:
+                    continue
                 rewards = self.task_reward(candidates, item, f"task item {index} (preference candidates)")
                 rng = pair_rng(args.seed, iteration, index) if args.pair_selection == "random" else None
                 pairs.extend(pairs_from_candidates(index, prompts, candidates, rewards, args.pair_selection,
