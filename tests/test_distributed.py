@@ -35,6 +35,10 @@ def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
     assert set(rank0_items).isdisjoint(rank1_items)
     assert report["env_step"] == 8 * 4  # 8 items split over 2 ranks, each item scored on 4 joint actions
     assert set(report["eval"]) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
+    rank0_eval, rank1_eval = report["evaluated"]
+    assert [item for item, _ in rank0_eval] == [0, 2] and [item for item, _ in rank1_eval] == [1, 2]
+    real = [reward for _, reward in rank0_eval] + [rank1_eval[0][1]]  # rank 1's second call is the padding
+    assert report["eval"]["eval/turn_1/reward_mean"] == pytest.approx(sum(real) / 3)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")

@@ -11,11 +11,14 @@ from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
 SCORED = []  # the task items this rank scored
+EVALUATED = []  # (item, reward) of this rank's evaluation calls, in order
 
 
 def reward(first, second, *, batch_items):
+    rewards = [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
     SCORED.append(batch_items[0]["idx"])
-    return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
+    EVALUATED.append((batch_items[0]["idx"], rewards[0]))
+    return rewards
 
 
 def main(output_dir: str) -> None:
@@ -24,18 +27,21 @@ def main(output_dir: str) -> None:
                           logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
                           eval_interval=0)
     trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                            eval_dataset=dataset.select(range(2)), args=config)
+                            eval_dataset=dataset.select(range(3)), args=config)
     before = [sum(p.sum().item() for p in model.parameters()) for model in trainer.agents]
     trainer.train()
     scored = [None] * dist.get_world_size()
     dist.all_gather_object(scored, SCORED)
     after = [sum(p.detach().double().sum().item() for p in model.parameters()) for model in trainer.agents]
-    metrics = trainer.evaluate(num_eval_samples=2)  # (after `scored`: evaluation also calls the reward)
+    EVALUATED.clear()
+    metrics = trainer.evaluate(num_eval_samples=3)  # 3 items on 2 ranks: rank 1 repeats item 2 to keep in step
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, after)
+    evaluated = [None] * dist.get_world_size()
+    dist.all_gather_object(evaluated, list(EVALUATED))
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"world": dist.get_world_size(), "before": before, "after": gathered,
-                                      "env_step": trainer.env_step, "eval": metrics, "scored": scored,
+                                      "env_step": trainer.env_step, "eval": metrics, "scored": scored, "evaluated": evaluated,
                                       "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team], "dist": str(trainer.accelerator.distributed_type)}))
 
 

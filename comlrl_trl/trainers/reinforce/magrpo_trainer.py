@@ -562,6 +562,11 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         process, processes = self.accelerator.process_index, self.accelerator.num_processes
         local = items[process::processes]
         labels = [f"evaluation item {index}" for index in range(process, len(items), processes)]
+        # Every process generates equally often (ZeRO-3 gathers weights collectively during generation): a process
+        # with fewer items repeats the last one and drops its results.
+        padding = -(-len(items) // processes) - len(local)
+        sampled = local + [items[-1]] * padding
+        labels += [f"evaluation item {len(items) - 1} (repeated for an even split)"] * padding
         completions = [[] for _ in self._team]  # [agent][local item][turn]
         prompts = [[] for _ in self._team]  # [agent][local item][turn]
         rewards, returns = [], []  # [local item][turn]
@@ -569,10 +574,10 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         try:
             for agent in self._team:
                 agent.model.eval()
-            for start in range(0, len(local), self.args.eval_batch_size):
+            for start in range(0, len(sampled), self.args.eval_batch_size):
                 end = start + self.args.eval_batch_size
                 batch_completions, batch_rewards, batch_returns, batch_prompts = self.orchestrator.evaluate_path(
-                    local[start:end], labels[start:end])
+                    sampled[start:end], labels[start:end])
                 for agent_completions, new in zip(completions, batch_completions):
                     agent_completions.extend(new)
                 for agent_prompts, new in zip(prompts, batch_prompts):
@@ -583,9 +588,11 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             for agent, was_training in zip(self._team, training):
                 agent.model.train(was_training)
                 agent._metrics["eval"].clear()
+        kept = len(local)
+        completions, prompts = [c[:kept] for c in completions], [p[:kept] for p in prompts]
         metrics = {}
-        all_rewards = self._gather_lists(rewards)
-        all_returns = self._gather_lists(returns)
+        all_rewards = self._gather_lists(rewards[:kept])
+        all_returns = self._gather_lists(returns[:kept])
         for turn in range(self.args.num_turns):
             metrics[f"eval/turn_{turn + 1}/reward_mean"] = sum(r[turn] for r in all_rewards) / len(all_rewards)
             metrics[f"eval/turn_{turn + 1}/expected_return"] = sum(r[turn] for r in all_returns) / len(all_returns)
