@@ -1,4 +1,4 @@
-"""Joining TRL's scored GRPO batches of several turns into one batch for the loss."""
+"""Joining TRL's scored GRPO batches of several turns into one batch for the loss, and splitting items over processes."""
 
 import torch
 import torch.nn.functional as F
@@ -36,3 +36,13 @@ def concat_scored_batches(batches: list[dict], pad_token_id: int) -> dict:
             value = pad_token_id if key == "completion_ids" else 0
             out[key] = torch.cat([F.pad(b[key], (0, width - b[key].shape[1]), value=value) for b in batches])
     return out
+
+
+def even_shard(total: int, process: int, processes: int) -> tuple[list[int], int]:
+    """This process's share of `total` items (every `processes`-th index from `process`), and how many are real.
+
+    Every process gets the same number of indices, so that all generate equally often (ZeRO-3 gathers weights
+    collectively during generation): a process with fewer items repeats the last index, whose results it drops.
+    """
+    real = list(range(process, total, processes))
+    return real + [total - 1] * (-(-total // processes) - len(real)), len(real)

@@ -186,33 +186,39 @@ class JointRolloutOrchestrator:
         """Let TRL score agent `a` turn by turn with the injected returns, set our advantages, join the turns."""
         agent = self.agents[a]
         weights = self.args.turn_gradient_weights
+        process = self.accelerator.process_index
         batches = []
         for turn, (nodes, prompts, rollouts, _) in enumerate(turns):
             local_returns = []
             for node_returns in returns[turn]:
                 local_returns.extend(completion_returns(node_returns, self.joint_indices, len(self.agents),
                                                         self.args.num_generations)[a])
-            rows = [{**node.item, "prompt": prompt}
-                    for node, prompt in zip((n for n in nodes for _ in range(self.args.num_generations)), prompts[a])]
-            batch = self._score_turn(agent, rows, rollouts[a], local_returns)
-            if "ref_per_token_logps" in batch:
-                kl_stats[turn] += reference_kl_stats(agent, batch)
+            batch, global_returns = self._trl_score(agent, nodes, prompts[a], rollouts[a], local_returns, kl_stats,
+                                                    turn)
+            advantages = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
+                                          self.args.scale_rewards)
+            local = slice(process * len(local_returns), (process + 1) * len(local_returns))
+            batch["advantages"] = advantages[local].to(batch["advantages"].dtype)
             if weights is not None and weights[turn] != 1.0:
                 batch["advantages"] = batch["advantages"] * weights[turn]
             batches.append(batch)
         return concat_scored_batches(batches, agent.processing_class.pad_token_id)
 
-    def _score_turn(self, agent, rows, rollout, local_returns: list[float]) -> dict[str, Any]:
+    def _trl_score(self, agent, nodes: list[Node], prompts: list[Any], rollout, local_rewards: list[float],
+                   kl_stats: torch.Tensor, turn: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """TRL's scoring of one agent's rows of one turn with the rewards handed in (gathered over processes).
+
+        Returns TRL's batch (its advantages still TRL's) and the gathered rewards; adds the turn's reference KL.
+        """
+        rows = [{**node.item, "prompt": prompt}
+                for node, prompt in zip((n for n in nodes for _ in range(self.args.num_generations)), prompts)]
         device = self.accelerator.device
-        global_returns = self.accelerator.gather(torch.tensor(local_returns, dtype=torch.float32, device=device))
-        advantages = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
-                                      self.args.scale_rewards)
-        process = self.accelerator.process_index
-        local = slice(process * len(rows), (process + 1) * len(rows))
-        agent.inject(rollout, global_returns.unsqueeze(1))
+        global_rewards = self.accelerator.gather(torch.tensor(local_rewards, dtype=torch.float32, device=device))
+        agent.inject(rollout, global_rewards.unsqueeze(1))
         batch = GRPOTrainer._generate_and_score_completions(agent, rows)
-        batch["advantages"] = advantages[local].to(batch["advantages"].dtype)
-        return batch
+        if "ref_per_token_logps" in batch:
+            kl_stats[turn] += reference_kl_stats(agent, batch)
+        return batch, global_rewards
 
     # ----- evaluation -----
 

@@ -101,6 +101,7 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         self.metrics_callback = metrics_callback
         self.critic_set = self._build_critics(critic_sources, critic_kwargs, critic_peft_config)
         self.orchestrator.critics = self.critic_set
+        self.orchestrator.record_samples = metrics_callback is not None
         self._rollout_metrics = defaultdict(list)
 
     # ----- construction -----

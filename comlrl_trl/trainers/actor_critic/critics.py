@@ -67,7 +67,8 @@ class _OwnOptimisers:
             for critic in critics
         ]
 
-    def _backward(self, critic, ids, mask, index, batch, label: str) -> None:
+    def _backward(self, critic, ids, mask, index, batch, label: str) -> torch.Tensor:
+        """Backpropagate the critic's weighted value loss on one micro-batch; returns the unweighted loss."""
         trainer = self.trainer
         args = trainer.args
         with trainer.accelerator.autocast():

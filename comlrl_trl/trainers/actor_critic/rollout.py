@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
 
 from ...batching import concat_scored_batches
 from ...core.values import broadcast_rewards, td_targets, whiten
 from ...joint_reward import JointReward
-from ...orchestrator import JointRolloutOrchestrator, Node, reference_kl_stats
+from ...orchestrator import JointRolloutOrchestrator, Node
 
 
 @dataclass
@@ -55,6 +54,7 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
     """The MAGRPO rollout with critic-based advantages; `critics` is set by the trainer before training."""
 
     critics = None
+    record_samples = False  # keep every sample's RolloutSample in `samples` (for a metrics_callback)
 
     def _node_rewards(self, joint, node: Node, turn: int) -> list[float]:
         node.agent_rewards = self.joint_reward.matrix(joint, node.item, f"{node.item_label}, turn {turn + 1}")
@@ -62,7 +62,10 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
 
     def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:
         n = len(self.agents)
-        scored = [[self._score_rows(a, turn, kl_stats, t) for t, turn in enumerate(turns)] for a in range(n)]
+        scored = [[self._trl_score(self.agents[a], nodes, prompts[a], rollouts[a],
+                                   [r for node in nodes for r in node.agent_rewards[a]], kl_stats, t)[0]
+                   for t, (nodes, prompts, rollouts, _) in enumerate(turns)]
+                  for a in range(n)]  # the agents' own rewards: TRL's reward metrics stay true
         values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
         targets = [[self._targets(a, t, turns, values) for t in range(len(turns))] for a in range(n)]
         self.critics.store(targets, values)
@@ -76,38 +79,20 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
                     advantages = advantages * self.args.turn_gradient_weights[t]
                 batch["advantages"] = advantages.to(batch["advantages"].dtype)
                 batch["old_values"], batch["value_targets"] = values[a][t], targets[a][t]
-                self._record(a, t, turns, batch)
+                if self.record_samples:
+                    self._record(a, t, turns, batch)
             agent._metrics["train"]["value_mean"].append(self._global_moments(torch.cat(values[a]))[0].item())
             agent._metrics["train"]["value_target_mean"].append(self._global_moments(torch.cat(targets[a]))[0].item())
         return [concat_scored_batches(batches, agent.processing_class.pad_token_id)
                 for batches, agent in zip(scored, self.agents)]
 
-    def _score_rows(self, a: int, turn, kl_stats: torch.Tensor, t: int) -> dict[str, Any]:
-        """TRL scores agent `a`'s rows of one turn with the agent's own rewards (its reward metrics stay true)."""
-        nodes, prompts, rollouts, _ = turn
-        agent, k = self.agents[a], self.args.num_generations
-        rewards = [r for node in nodes for r in node.agent_rewards[a]]
-        rows = [{**node.item, "prompt": prompt} for node, prompt in zip((m for m in nodes for _ in range(k)), prompts[a])]
-        device = self.accelerator.device
-        agent.inject(rollouts[a], self.accelerator.gather(torch.tensor(rewards, device=device)).unsqueeze(1))
-        batch = GRPOTrainer._generate_and_score_completions(agent, rows)
-        if "ref_per_token_logps" in batch:
-            kl_stats[t] += reference_kl_stats(agent, batch)
-        return batch
-
     def _targets(self, a: int, t: int, turns, values) -> torch.Tensor:
         """`r` at the end of an episode, `r + gamma * V(next node)` before it (V: mean over the node's samples)."""
         nodes, k = turns[t][0], self.args.num_generations
         rewards = [r for node in nodes for r in node.agent_rewards[a]]
-        next_values = []
-        for node in nodes:
-            for child in node.children:
-                if child is None:
-                    next_values.append(None)
-                else:
-                    next_values.append(values[a][t + 1][child * k:(child + 1) * k].mean().item())
-        device = values[a][t].device
-        return torch.tensor(td_targets(rewards, next_values, self.args.discount), device=device)
+        node_values = values[a][t + 1].view(-1, k).mean(dim=1).tolist() if t + 1 < len(turns) else []
+        next_values = [None if child is None else node_values[child] for node in nodes for child in node.children]
+        return torch.tensor(td_targets(rewards, next_values, self.args.discount), device=values[a][t].device)
 
     def _global_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and population variance of `x` over all processes."""
@@ -120,9 +105,11 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
     def _record(self, a: int, t: int, turns, batch: dict[str, Any]) -> None:
         nodes, prompts, _, texts = turns[t]
         k = self.args.num_generations
+        values, targets = batch["old_values"].tolist(), batch["value_targets"].tolist()
+        advantages = batch["advantages"].tolist()
         for row, (node, prompt, text) in enumerate(zip((m for m in nodes for _ in range(k)), prompts[a], texts[a])):
             self.samples.append(RolloutSample(a, prompt, text, {
                 "turn_idx": t, "generation_idx": row % k, "batch_item": node.item, "item_label": node.item_label,
-                "reward": node.agent_rewards[a][row % k], "value": batch["old_values"][row].item(),
-                "value_target": batch["value_targets"][row].item(), "advantage": batch["advantages"][row].item(),
+                "reward": node.agent_rewards[a][row % k], "value": values[row], "value_target": targets[row],
+                "advantage": advantages[row],
             }))

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import RewardConfig
 
+from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
@@ -230,15 +231,13 @@ class MARLHFTrainer(PreferenceCheckpoints):
         try:
             for agent in rl._team:
                 agent.model.eval()
-            total = len(self.train_dataset)
-            # Every process generates the same number of times (ZeRO-3 gathers weights collectively during
-            # generation); a process past the end repeats the last item and drops what it samples.
-            for index in range(process, -(-total // processes) * processes, processes):
-                item = self.train_dataset[min(index, total - 1)]
+            indices, kept = even_shard(len(self.train_dataset), process, processes)
+            for position, index in enumerate(indices):
+                item = self.train_dataset[index]
                 prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
                 candidates = sample_candidates(rl, prompts, count)
-                if index >= total:
-                    continue
+                if position >= kept:
+                    continue  # a repeated item, sampled only to keep the processes in step
                 rewards = self.task_reward(candidates, item, f"task item {index} (preference candidates)")
                 rng = pair_rng(args.seed, iteration, index) if args.pair_selection == "random" else None
                 pairs.extend(pairs_from_candidates(index, prompts, candidates, rewards, args.pair_selection,

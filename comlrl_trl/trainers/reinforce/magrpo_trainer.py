@@ -29,6 +29,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from ...batching import even_shard
 from ...checkpoint import (
     CHECKPOINT_VERSION,
     METADATA_NAME,
@@ -560,13 +561,10 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             raise ValueError(f"num_eval_samples must be a positive integer, got {count!r}.")
         items = list(itertools.islice(iter(self.eval_dataset), count))
         process, processes = self.accelerator.process_index, self.accelerator.num_processes
-        local = items[process::processes]
-        labels = [f"evaluation item {index}" for index in range(process, len(items), processes)]
-        # Every process generates equally often (ZeRO-3 gathers weights collectively during generation): a process
-        # with fewer items repeats the last one and drops its results.
-        padding = -(-len(items) // processes) - len(local)
-        sampled = local + [items[-1]] * padding
-        labels += [f"evaluation item {len(items) - 1} (repeated for an even split)"] * padding
+        indices, kept = even_shard(len(items), process, processes)  # the repeated ones' results are dropped
+        sampled = [items[index] for index in indices]
+        labels = [f"evaluation item {index}" for index in indices]
+        local = sampled[:kept]
         completions = [[] for _ in self._team]  # [agent][local item][turn]
         prompts = [[] for _ in self._team]  # [agent][local item][turn]
         rewards, returns = [], []  # [local item][turn]
@@ -588,7 +586,6 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             for agent, was_training in zip(self._team, training):
                 agent.model.train(was_training)
                 agent._metrics["eval"].clear()
-        kept = len(local)
         completions, prompts = [c[:kept] for c in completions], [p[:kept] for p in prompts]
         metrics = {}
         all_rewards = self._gather_lists(rewards[:kept])
