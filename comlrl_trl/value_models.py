@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from accelerate.utils import is_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 
 VALUE_HEAD_NAME = "value_head.pt"
@@ -92,60 +92,6 @@ def value_positions(prompt_ids: torch.Tensor, completion_mask: torch.Tensor | No
     if completion_mask is None:
         return torch.full((prompt_ids.size(0),), last_prompt, dtype=torch.long, device=prompt_ids.device)
     return last_prompt + completion_mask.sum(dim=1).long()
-
-
-def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:
-    """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object."""
-    if isinstance(source, nn.Module):
-        return source
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a model id, a local path or a model object, got {type(source).__name__}.")
-    source = os.fspath(source)
-    with whole_weights():
-        if os.path.isfile(os.path.join(source, "adapter_config.json")):
-            from peft import AutoPeftModelForCausalLM
-
-            return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True, **(model_kwargs or {}))
-        return AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
-
-
-@contextmanager
-def whole_weights():
-    """Load a model with all its weights on this process even while DeepSpeed ZeRO-3 is configured.
-
-    Critics train outside the actors' DeepSpeed engines with optimisers of their own, so they must not be
-    partitioned by ZeRO-3's loading hooks.
-    """
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = reference
-
-
-def load_exported_weights(model, path: str) -> None:
-    """Load the weights that `save_pretrained` wrote into `path` back into `model` (full weights or an adapter)."""
-    if is_peft_model(model):
-        from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
-
-        set_peft_model_state_dict(model, load_peft_weights(path, device=str(model.device)))
-        return
-    from transformers.trainer_utils import load_sharded_checkpoint
-
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        from safetensors.torch import load_file
-
-        state = load_file(os.path.join(path, "model.safetensors"), device=str(model.device))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = set(getattr(model, "_tied_weights_keys", None) or {})
-        if unexpected or [key for key in missing if key not in tied]:
-            raise ValueError(f"Weights in {path} do not match the critic: missing {missing}, unexpected {unexpected}.")
-        return
-    load_sharded_checkpoint(model, path, strict=False)
 
 
 def attach_value_head(model, head: nn.Module) -> None:

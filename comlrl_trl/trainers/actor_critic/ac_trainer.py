@@ -16,7 +16,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
 from ...core.values import value_loss
-from ...value_models import CausalLMWithValueHead, load_causal_lm, value_positions
+from ...loading import load_causal_lm
+from ...value_models import CausalLMWithValueHead, value_positions
 from ..agent import FollowerGRPOTrainer
 from ..reinforce.magrpo_trainer import MAGRPOTrainer, _model_name
 from .ac_config import ActorCriticConfig

@@ -16,6 +16,7 @@ import torch
 
 from ...core.values import value_loss
 from ...joint_text import joint_text
+from ...loading import load_exported_weights
 from ...value_models import (
     VALUE_HEAD_NAME,
     CausalLMWithValueHead,
@@ -24,7 +25,6 @@ from ...value_models import (
     attach_value_head,
     hidden_size,
     last_token_values,
-    load_exported_weights,
     value_positions,
 )
 

@@ -49,6 +49,7 @@ from ...formatters import build_formatters
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
+from ...loading import load_saved_adapter
 from ...orchestrator import JointRolloutOrchestrator
 from ..agent import AgentGRPOTrainer, FollowerGRPOTrainer, joint_reward
 from .magrpo_config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
@@ -153,7 +154,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         peft_configs = _per_agent(peft_config, n, "peft_config")
         formatter_list = build_formatters(formatters, n)
         joint = JointReward(reward_func, reward_processor)
-        models = [_load_saved_adapter(source) for source in sources]
+        models = [_saved_adapter_or(source) for source in sources]
         # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
         # the Accelerate state the live trainers share.
         follower_args = [_follower_args(args) for _ in range(n - 1)]
@@ -730,13 +731,10 @@ def _resolve_tokenizers(tokenizer, sources) -> list:
     return [AutoTokenizer.from_pretrained(source, padding_side="left") for source in sources]
 
 
-def _load_saved_adapter(source):
-    """A local directory holding a PEFT adapter (from `save_model` with LoRA) is loaded trainable; others pass."""
-    if isinstance(source, str) and os.path.isfile(os.path.join(source, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
-
-        return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True)
-    return source
+def _saved_adapter_or(source):
+    """A saved LoRA agent directory is loaded trainable here; any other source goes to TRL as it is."""
+    adapter = load_saved_adapter(source)
+    return adapter if adapter is not None else source
 
 
 def _per_agent(value, n: int, name: str) -> list:

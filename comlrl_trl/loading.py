@@ -1,0 +1,69 @@
+"""Loading models from the places trainers accept: ids, local directories (full weights or a PEFT adapter
+written by `save_model`) and model objects, and reloading exported weights into a live model."""
+
+import os
+from contextlib import contextmanager
+
+from accelerate.utils import is_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:
+    """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object."""
+    if isinstance(source, nn.Module):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a model id, a local path or a model object, got {type(source).__name__}.")
+    source = os.fspath(source)
+    with whole_weights():
+        adapter = load_saved_adapter(source, model_kwargs)
+        return adapter if adapter is not None else AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
+
+
+def load_saved_adapter(source, model_kwargs: dict | None = None):
+    """A local directory holding a PEFT adapter (from `save_model` with LoRA), loaded trainable; otherwise None."""
+    if isinstance(source, (str, os.PathLike)) and os.path.isfile(os.path.join(source, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(source, is_trainable=True, **(model_kwargs or {}))
+    return None
+
+
+@contextmanager
+def whole_weights():
+    """Load a model with all its weights on this process even while DeepSpeed ZeRO-3 is configured.
+
+    Critics train outside the actors' DeepSpeed engines with optimisers of their own, so they must not be
+    partitioned by ZeRO-3's loading hooks.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = reference
+
+
+def load_exported_weights(model, path: str) -> None:
+    """Load the weights that `save_pretrained` wrote into `path` back into `model` (full weights or an adapter)."""
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        set_peft_model_state_dict(model, load_peft_weights(path, device=str(model.device)))
+        return
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"), device=str(model.device))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = set(getattr(model, "_tied_weights_keys", None) or {})
+        if unexpected or [key for key in missing if key not in tied]:
+            raise ValueError(f"Weights in {path} do not match the critic: missing {missing}, unexpected {unexpected}.")
+        return
+    load_sharded_checkpoint(model, path, strict=False)
