@@ -56,16 +56,7 @@ class ActorCriticConfig(MAGRPOConfig):
     def __post_init__(self):
         if isinstance(self.critic_type, str):
             self.critic_type = self.critic_type.lower()
-        if self.critic_type not in ("v", "q"):
-            raise ValueError(f"critic_type must be 'v' (value of the prompt) or 'q' (prompt and response), got "
-                             f"{self.critic_type!r}.")
-        if not self.value_loss_coef > 0:
-            raise ValueError(f"value_loss_coef must be > 0, got {self.value_loss_coef!r}.")
-        if self.value_clip_range is not None and not self.value_clip_range > 0:
-            raise ValueError(f"value_clip_range must be > 0 or None (no clipping), got {self.value_clip_range!r}.")
-        if self.critic_learning_rate is not None and not self.critic_learning_rate > 0:
-            raise ValueError(f"critic_learning_rate must be > 0 or None (use learning_rate), got "
-                             f"{self.critic_learning_rate!r}.")
+        validate_critic_fields(self)
         if self.joint_mode != "align":
             raise ValueError("Actor-critic trainers value aligned joint actions only: set joint_mode='align'.")
         super().__post_init__()
@@ -123,6 +114,20 @@ class MAACConfig(ActorCriticConfig):
     agent's prompt (and, for `critic_type="q"`, every response). Its value-head size is set through the trainer's
     `model_config={"critic_value_head_hidden_dim": ...}`. See [`ActorCriticConfig`] for the fields.
     """
+
+
+def validate_critic_fields(config) -> None:
+    """The critic settings shared by the actor-critic configs and MARLHF's actor-critic back end."""
+    if config.critic_type not in ("v", "q"):
+        raise ValueError(f"critic_type must be 'v' or 'q' (the value of the prompt, or of prompt and response), got "
+                         f"{config.critic_type!r}.")
+    if not config.value_loss_coef > 0:
+        raise ValueError(f"value_loss_coef must be > 0, got {config.value_loss_coef!r}.")
+    if config.value_clip_range is not None and not config.value_clip_range > 0:
+        raise ValueError(f"value_clip_range must be > 0 or None (no clipping), got {config.value_clip_range!r}.")
+    if config.critic_learning_rate is not None and not config.critic_learning_rate > 0:
+        raise ValueError(f"critic_learning_rate must be > 0 or None (use learning_rate), got "
+                         f"{config.critic_learning_rate!r}.")
 
 
 def _check_hidden_dim(name: str, value) -> None:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..actor_critic.ac_config import validate_critic_fields
 from ..reinforce.magrpo_config import post_init_with_one_generation
 from .preference_config import PreferenceConfig
 
@@ -155,14 +156,7 @@ class MARLHFConfig(PreferenceConfig):
             raise ValueError(f"advantage_mode={self.advantage_mode!r} conflicts with rl_algorithm="
                              f"{self.rl_algorithm!r} (which uses {expected!r}); set only rl_algorithm.")
         self.advantage_mode = expected
-        if self.critic_type not in ("v", "q"):
-            raise ValueError(f"critic_type must be 'v' or 'q', got {self.critic_type!r}.")
-        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
-            raise ValueError(f"critic_learning_rate must be > 0 or None, got {self.critic_learning_rate}.")
-        if self.value_loss_coef <= 0:
-            raise ValueError(f"value_loss_coef must be > 0, got {self.value_loss_coef}.")
-        if self.value_clip_range is not None and self.value_clip_range <= 0:
-            raise ValueError(f"value_clip_range must be > 0 or None, got {self.value_clip_range}.")
+        validate_critic_fields(self)
 
     def _validate_reward_fields(self):
         if self.reward_learning_rate <= 0:
