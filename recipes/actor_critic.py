@@ -13,15 +13,13 @@ every `IACConfig` or `MAACConfig` field (GRPOConfig included), then TRL's `Model
 """
 
 import argparse
-import importlib
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-from magrpo import DEMO_DEFAULTS, _as_chat, _default_model, _HelpFormatter, _report
+from magrpo import DEMO_DEFAULTS, _as_chat, _default_model, _HelpFormatter, _load_task, _train_and_report
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
@@ -75,10 +73,7 @@ def make_parser(algorithm: str = "iac") -> TrlParser:
 
 
 def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
-    task = importlib.import_module(f"comlrl_trl.tasks.{recipe.task}")
-    train_dataset, eval_dataset = task.build_dataset("train"), task.build_dataset("eval")
-    if recipe.max_train_items is not None:
-        train_dataset = train_dataset.select(range(min(recipe.max_train_items, len(train_dataset))))
+    task, train_dataset, eval_dataset = _load_task(recipe)
     agents = recipe.agent_models or [_default_model(model_args)] * config.num_agents
     trainer_cls = TRAINERS[recipe.algorithm][0]
     separate = recipe.algorithm == "maac" or config.use_separate_critic
@@ -97,11 +92,7 @@ def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
         peft_config=peft,
         critic_peft_config=peft if separate else None,
     )
-    started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    final_eval = trainer.evaluate()
-    trainer.save_model(os.path.join(config.output_dir, "models"))
-    return _report(trainer, recipe, config, final_eval, time.perf_counter() - started)
+    return _train_and_report(trainer, recipe, config, trainer.evaluate)  # args.eval_num_samples items
 
 
 def _tokenizers(agents: list[str]):

@@ -103,10 +103,7 @@ def make_parser() -> TrlParser:
 
 
 def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig) -> dict:
-    task = importlib.import_module(f"comlrl_trl.tasks.{recipe.task}")
-    train_dataset, eval_dataset = task.build_dataset("train"), task.build_dataset("eval")
-    if recipe.max_train_items is not None:
-        train_dataset = train_dataset.select(range(min(recipe.max_train_items, len(train_dataset))))
+    task, train_dataset, eval_dataset = _load_task(recipe)
     config.advantage_mode = ADVANTAGE_MODES[recipe.algorithm]
     config.model_init_kwargs = {"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation,
                                 "revision": model_args.model_revision}
@@ -122,9 +119,23 @@ def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig)
         args=config,
         peft_config=get_peft_config(model_args),
     )
+    return _train_and_report(trainer, recipe, config, lambda: trainer.evaluate(num_eval_samples=len(eval_dataset)))
+
+
+def _load_task(recipe):
+    """The task module of `--task` and its training (cut to `--max_train_items`) and evaluation sets."""
+    task = importlib.import_module(f"comlrl_trl.tasks.{recipe.task}")
+    train_dataset, eval_dataset = task.build_dataset("train"), task.build_dataset("eval")
+    if recipe.max_train_items is not None:
+        train_dataset = train_dataset.select(range(min(recipe.max_train_items, len(train_dataset))))
+    return task, train_dataset, eval_dataset
+
+
+def _train_and_report(trainer, recipe, config, final_evaluation) -> dict:
+    """Train (resuming when asked), evaluate, save the agents to output_dir/models and write the report."""
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    final_eval = trainer.evaluate(num_eval_samples=len(eval_dataset))
+    final_eval = final_evaluation()
     trainer.save_model(os.path.join(config.output_dir, "models"))
     return _report(trainer, recipe, config, final_eval, time.perf_counter() - started)
 
