@@ -65,7 +65,7 @@ def _item(entry_point):
 
 def test_sandbox_passing_partial_and_failure_messages():
     code = "def double(x):\n    return 2 * x\n"
-    assert run_python(code, ["assert double(2) == 4", "assert double(0) == 0"]) == SandboxResult(2, 2, [], False)
+    assert run_python(code, ["assert double(2) == 4", "assert double(0) == 0"]) == SandboxResult(2, 2, [], False, [True, True])
     result = run_python(code, ["assert double(2) == 4", "assert double(3) == 7", "assert double(None) == 1"])
     assert (result.passed, result.total, result.timed_out) == (1, 3, False)
     assert result.errors[0] == "assert double(3) == 7  # got 6"
@@ -244,3 +244,12 @@ def test_example_script_runs(tmp_path, qwen_path):
         block = result.stdout.split(title, 1)[1]
         assert "turn 1: " in block and "turn 2: " in block and "pass_rate=" in block
     assert (tmp_path / "out" / "models" / "agent_1" / "config.json").is_file()
+
+
+def test_sandbox_reports_each_test_and_runs_setup_first():
+    code = "def double(x):\n    return 2 * x\n"
+    result = run_python(code, ["assert candidate(2) == 4", "assert candidate(3) == 7", "assert candidate(0) == 0"],
+                        setup="candidate = double")
+    assert result.test_passed == [True, False, True] and result.passed == 2
+    broken = run_python(code, ["assert candidate(2) == 4"], setup="candidate = missing_name")
+    assert broken.test_passed == [False] and broken.errors[0].startswith("setup failed")

@@ -56,6 +56,7 @@ class SandboxResult:
     total: int
     errors: list[str] = field(default_factory=list)
     timed_out: bool = False
+    test_passed: list[bool] = field(default_factory=list)  # one entry per test, in order (empty when none ran)
 
     @property
     def pass_rate(self) -> float:
@@ -63,7 +64,8 @@ class SandboxResult:
         return self.passed / self.total if self.total else 0.0
 
 
-def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256) -> SandboxResult:
+def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256,
+               setup: str = "") -> SandboxResult:
     """Execute `code`, then each test in `tests` (Python statements, usually `assert ...` lines) separately.
 
     Args:
@@ -73,6 +75,8 @@ def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb:
         timeout: wall-clock seconds for the whole run (interpreter start-up included); CPU time is limited to
             about the same.
         memory_mb: address-space limit of the child process in MiB.
+        setup: trusted statements (imports, helper definitions such as `candidate = my_function`) run once
+            before the tests, in the tests' namespace; an error there fails every test.
 
     Returns:
         A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code`
@@ -81,6 +85,8 @@ def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb:
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be a string, got {type(code).__name__}.")
+    if not isinstance(setup, str):
+        raise TypeError(f"setup must be a string of Python statements, got {type(setup).__name__}.")
     tests = list(tests)
     if any(not isinstance(test, str) for test in tests):
         raise TypeError("tests must be a list of strings (Python statements such as 'assert f(1) == 2').")
@@ -95,7 +101,7 @@ def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb:
     nonce = secrets.token_hex(16)
     limits = [str(int(memory_mb) * 1024 * 1024), str(math.ceil(timeout) + 1), str(MAX_OUTPUT_BYTES),
               str(MAX_OPEN_FILES)]
-    payload = json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode()
+    payload = json.dumps({"code": code, "tests": tests, "setup": setup, "nonce": nonce}).encode()
     with tempfile.TemporaryDirectory(prefix="comlrl-sandbox-") as root:
         work = os.path.join(root, "work")
         os.mkdir(work)
@@ -109,14 +115,16 @@ def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb:
             stderr_tail = _tail(stderr).decode("utf-8", errors="replace")
 
     if timed_out or returncode == -signal.SIGXCPU:
-        return SandboxResult(0, total, [f"Timeout: the program ran longer than {timeout:g} s"], timed_out=True)
+        return SandboxResult(0, total, [f"Timeout: the program ran longer than {timeout:g} s"], timed_out=True,
+                             test_passed=[False] * total)
     if summary is None:
         last = stderr_tail.strip().splitlines()[-1:] or ["no output"]
         message = f"Crash: the program exited (code {returncode}) before reporting: {last[0]}"
-        return SandboxResult(0, total, [_short(message)])
-    passed = max(0, min(int(summary.get("passed", 0)), total))
+        return SandboxResult(0, total, [_short(message)], test_passed=[False] * total)
+    outcomes = summary.get("outcomes", [])
+    test_passed = [bool(value) for value in outcomes] if len(outcomes) == total else [False] * total
     errors = [_short(str(error)) for error in summary.get("errors", [])][:MAX_ERRORS]
-    return SandboxResult(passed, total, errors)
+    return SandboxResult(sum(test_passed), total, errors, test_passed=test_passed)
 
 
 def _run(command: list[str], payload: bytes, stdout, stderr, cwd: str, timeout: float) -> tuple[int, bool]:
@@ -251,9 +259,9 @@ def main():
     limit_resources(*(int(value) for value in sys.argv[1:5]))
     block_network()
     sys.stdout = sys.stderr = Sink()
-    code, tests, nonce = request["code"], request["tests"], request["nonce"]
+    code, tests, setup, nonce = request["code"], request["tests"], request["setup"], request["nonce"]
     del request
-    passed, errors = 0, []
+    outcomes, errors = [False] * len(tests), []
     try:
         compiled = compile(code, "<candidate>", "exec")
     except SyntaxError as error:
@@ -269,13 +277,16 @@ def main():
             exec(compiled, namespace)
         except BaseException as error:
             errors.append(type(error).__name__ + " while running the code: " + str(error))
-        for test in tests:
-            failure = check(test, namespace)
+        setup_error = check(setup, namespace) if setup else None
+        if setup_error is not None:
+            errors.append("setup failed: " + setup_error)
+        for index, test in enumerate(tests):
+            failure = check(test, namespace) if setup_error is None else "skipped"
             if failure is None:
-                passed += 1
-            else:
+                outcomes[index] = True
+            elif setup_error is None:
                 errors.append(failure)
-    summary = {"passed": passed, "errors": [short(e, 200) for e in errors[:MAX_ERRORS]]}
+    summary = {"outcomes": outcomes, "errors": [short(e, 200) for e in errors[:MAX_ERRORS]]}
     os.write(report, ("\n" + nonce + json.dumps(summary) + "\n").encode("utf-8", errors="replace"))
     os._exit(0)  # skip atexit handlers and threads the candidate may have left behind
 
