@@ -1,51 +1,74 @@
-"""Run untrusted, model-written Python against a list of `assert` tests, in a separate limited process.
+"""Run untrusted, model-written Python against trusted tests, with the verdict out of the untrusted code's reach.
 
-`run_python(code, tests)` starts a fresh interpreter (`sys.executable -I -S`: isolated mode, no user site, no
-site-packages, `PYTHON*` variables ignored) in an empty temporary directory, with an environment stripped to
-`PATH`, `HOME`/`TMPDIR` (the temporary directory) and the locale, so the parent's secrets are not in
-`os.environ`. A small trusted harness runs first and, before it reads the candidate code:
+`run_python(code, tests)` splits the work between two sides:
 
-* sets resource limits on itself: address space (`memory_mb`), CPU seconds, open files, file size (which also
-  bounds what the code can print) and no core dumps;
-* disables Python-level networking: `socket.socket`, `socket.create_connection`, ... (and their `_socket`
-  twins) are replaced by a function that raises `PermissionError`.
+* **The checker** (this module, in the calling process) runs `setup` and every test statement itself, in a
+  namespace where each function the candidate code defines is a proxy. Calling a proxy sends the arguments as
+  plain data to the child and returns the child's answer as plain data (`_sandbox_codec`: None, bool, int, float,
+  str, bytes, and lists, tuples, dicts, sets, frozensets of them; exact types only; anything else fails that
+  test). So the comparison `==`, `bool`, the `assert` and the pass/fail bookkeeping all run on values the
+  checker built itself: no `__eq__`/`__bool__` object, no patched builtin or module, no forged report and no
+  early exit can turn a wrong answer into a passed test. The child never sees the tests or the expected values;
+  what it writes is at most a wrong answer. Tests and setup are trusted code (they run in this process).
+* **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls.
 
-It then executes the candidate code, then every test separately (one failing or crashing test does not stop
-the others), and prints one JSON summary line tagged with a random nonce that the candidate code is not given.
-The parent enforces a wall-clock `timeout` and kills the whole process group (the child runs in its own
-session), so a hanging or forking program never blocks the caller: a timeout returns `timed_out=True` with
-`passed=0`.
+Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
+(running the candidate code again). `timeout` bounds the whole run (wall clock); when it runs out, the child is
+killed and the test running then and all later ones fail (`timed_out=True`).
 
-The limits are set by the harness rather than through `Popen(preexec_fn=...)`: the untrusted code only ever
-runs after them, and no Python code runs between `fork` and `exec` in the (multi-threaded) trainer, which the
-`subprocess` documentation warns may deadlock. `RLIMIT_NPROC` is not used: it counts every process of the
-user (and is ignored for root), so it cannot express "this program may not fork"; the process-group kill
-cleans up any children instead.
+Threat model. The candidate code is adversarial (RL optimises against the reward). What holds:
 
-This is a best-effort guard against accidents (endless loops, memory blow-ups, huge outputs, network calls,
-files written to the working directory), not a security boundary. The code runs as the same user as the
-trainer: it can read and write what that user can (including the trainer's `/proc/<ppid>/environ`, secrets and
-all), reload `socket` to reach the network, find the harness's nonce by inspecting its frames, and with
-`CAP_SYS_RESOURCE` (often root) raise its own limits. Adversarial code needs real isolation: a container or VM
-with no network, a read-only file system, an unprivileged user and seccomp. POSIX only.
+* Linux as root, with namespaces (`isolation_mode() == "namespaces"`, checked on this project's machines and
+  CI): the child runs in new mount, PID, network, IPC and UTS namespaces, as an unprivileged uid of its own per
+  run (no capabilities, `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and
+  a few devices, with a fresh /proc that shows only its own processes, a private writable tmpfs on /tmp (at most
+  `memory_mb`) and an empty environment. So: no network at all (only a down loopback device), no view of the
+  trainer's processes, environment or files (the repository, its tests and the datasets are not in the tree),
+  nothing writable outside /tmp, and when the run ends every process of it dies with PID 1 of its namespace.
+  Where a cgroup is writable (v1 memory + pids controllers, or v2 with both delegated), memory (`memory_mb`)
+  and the number of processes (`MAX_PROCESSES`) are limited for the whole process tree; otherwise each process
+  is limited to `memory_mb` of address space and the run's uid to `MAX_PROCESSES` processes, so the tree stays
+  under `MAX_PROCESSES * memory_mb` (a warning says so once).
+* Fallback (not root, no namespaces, non-Linux POSIX): a warning says so once; the child runs as the trainer's
+  user in a temporary working directory with an empty environment and per-process limits (address space, CPU
+  time, file size, open files), and Python-level sockets are disabled. The verdict is still computed by the
+  checker (the reward cannot be faked from inside), but the candidate code can read and write what the
+  trainer's user can, reach the network through `subprocess` or `ctypes`, and leave processes behind.
+* Not covered anywhere: kernel exploits, CPU side channels (Spectre-style reads of the trainer's memory), timing
+  and covert channels between concurrent runs, denial of service through the shared page cache or CPU, and
+  mutation of arguments: the candidate works on copies, so a test that checks how a function changes its
+  argument in place cannot pass (rewrite it to check a returned value).
 """
 
+import ast
+import builtins
+import functools
 import json
-import math
 import os
-import secrets
+import random
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from . import _sandbox_codec as codec
+from ._cgroup import RunCgroup
 
 
 MAX_ERRORS = 5  # error messages kept per run
 MAX_ERROR_CHARS = 200  # each error message is truncated to this length
-MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # RLIMIT_FSIZE: the most the child may write to any file, stdout included
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # RLIMIT_FSIZE: the most the child may write to any file
 MAX_OPEN_FILES = 32
+MAX_PROCESSES = 8  # processes (and threads) per run, the child included
+MAX_TMP_MB = 64  # the private /tmp holds at most min(memory_mb, this)
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 
 
 @dataclass
@@ -64,25 +87,67 @@ class SandboxResult:
         return self.passed / self.total if self.total else 0.0
 
 
+class CandidateError(Exception):
+    """An exception raised by the candidate code that is not a built-in exception type (its name and message)."""
+
+
+class _Timeout(BaseException):
+    """The run's wall-clock budget is spent (a BaseException so that `except Exception` in a test cannot hide it)."""
+
+
+class _Crash(BaseException):
+    """The child died or broke the protocol during a call."""
+
+
 def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256,
                setup: str = "") -> SandboxResult:
-    """Execute `code`, then each test in `tests` (Python statements, usually `assert ...` lines) separately.
+    """Load `code` in an isolated child, then run each test in `tests` (Python statements) against it.
 
     Args:
         code: the untrusted program, e.g. function definitions written by a model.
-        tests: statements run one by one after `code`, in the same namespace; a test passes when it raises
-            nothing. For `assert a == b` the failure message shows the value of `a`.
+        tests: trusted statements, usually `assert ...` lines, run one by one in the checker's namespace (shared
+            across tests), where the functions `code` defines are proxies and its plain-data globals are copies;
+            names of built-ins are never taken from `code`. A test passes when it raises nothing; for
+            `assert a == b` the failure message shows the value of `a`.
         timeout: wall-clock seconds for the whole run (interpreter start-up included); CPU time is limited to
             about the same.
-        memory_mb: address-space limit of the child process in MiB.
-        setup: trusted statements (imports, helper definitions such as `candidate = my_function`) run once
-            before the tests, in the tests' namespace; an error there fails every test.
+        memory_mb: memory limit in MiB: for the whole process tree where a cgroup is available, else per process.
+        setup: trusted statements (imports, helper definitions such as `candidate = my_function`) run once before
+            the tests, in the tests' namespace, after the candidate's names are bound; an error there fails every
+            test.
 
     Returns:
-        A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code`
-        is reported and the tests still run against what was defined; a timeout gives `passed=0`,
-        `timed_out=True`.
+        A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code` is
+        reported and the tests still run against what was defined; a timeout fails the test running then and all
+        later ones, with `timed_out=True`.
+
+    >>> run_python("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(3) == 7"]).passed
+    1
     """
+    tests = _validate(code, tests, timeout, memory_mb, setup)
+    total = len(tests)
+    with _Session(code, timeout, memory_mb) as session:
+        try:
+            report = session.load()
+        except _Timeout:
+            return SandboxResult(0, total, [_timeout_message(timeout)], timed_out=True, test_passed=[False] * total)
+        except _Crash as crash:
+            return SandboxResult(0, total, [_short(str(crash))], test_passed=[False] * total)
+        if report["syntax_error"] is not None:
+            return SandboxResult(0, total, [_short(report["syntax_error"])], test_passed=[False] * total)
+        errors = [report["error"]] if report["error"] else []
+        namespace = _namespace(session, report)
+        outcomes, timed_out = _run_tests(tests, setup, namespace, errors, timeout)
+    errors = [_short(error) for error in errors[:MAX_ERRORS]]
+    return SandboxResult(sum(outcomes), total, errors, timed_out=timed_out, test_passed=outcomes)
+
+
+def isolation_mode() -> str:
+    """`"namespaces"` when runs are isolated as described in the module docstring, else `"fallback"`."""
+    return "fallback" if _disabled_reason() else "namespaces"
+
+
+def _validate(code, tests, timeout, memory_mb, setup) -> list[str]:
     if not isinstance(code, str):
         raise TypeError(f"code must be a string, got {type(code).__name__}.")
     if not isinstance(setup, str):
@@ -96,145 +161,48 @@ def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb:
         raise ValueError(f"memory_mb must be positive, got {memory_mb!r}.")
     if os.name != "posix" or not sys.executable:
         raise RuntimeError("run_python needs a POSIX system and a known Python executable (sys.executable).")
-
-    total = len(tests)
-    nonce = secrets.token_hex(16)
-    limits = [str(int(memory_mb) * 1024 * 1024), str(math.ceil(timeout) + 1), str(MAX_OUTPUT_BYTES),
-              str(MAX_OPEN_FILES)]
-    payload = json.dumps({"code": code, "tests": tests, "setup": setup, "nonce": nonce}).encode()
-    with tempfile.TemporaryDirectory(prefix="comlrl-sandbox-") as root:
-        work = os.path.join(root, "work")
-        os.mkdir(work)
-        harness = os.path.join(root, "harness.py")
-        with open(harness, "w", encoding="utf-8") as handle:
-            handle.write(_HARNESS)
-        with open(os.path.join(root, "stdout"), "w+b") as stdout, open(os.path.join(root, "stderr"), "w+b") as stderr:
-            returncode, timed_out = _run(
-                [sys.executable, "-I", "-S", harness, *limits], payload, stdout, stderr, work, timeout)
-            summary = _find_summary(_tail(stdout), nonce)
-            stderr_tail = _tail(stderr).decode("utf-8", errors="replace")
-
-    if timed_out or returncode == -signal.SIGXCPU:
-        return SandboxResult(0, total, [f"Timeout: the program ran longer than {timeout:g} s"], timed_out=True,
-                             test_passed=[False] * total)
-    if summary is None:
-        last = stderr_tail.strip().splitlines()[-1:] or ["no output"]
-        message = f"Crash: the program exited (code {returncode}) before reporting: {last[0]}"
-        return SandboxResult(0, total, [_short(message)], test_passed=[False] * total)
-    outcomes = summary.get("outcomes", [])
-    test_passed = [bool(value) for value in outcomes] if len(outcomes) == total else [False] * total
-    errors = [_short(str(error)) for error in summary.get("errors", [])][:MAX_ERRORS]
-    return SandboxResult(sum(test_passed), total, errors, test_passed=test_passed)
+    return tests
 
 
-def _run(command: list[str], payload: bytes, stdout, stderr, cwd: str, timeout: float) -> tuple[int, bool]:
-    """Start the child in its own session, feed it the payload, wait at most `timeout` s, kill its group."""
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=cwd,
-                               env=_child_env(cwd), start_new_session=True, close_fds=True)
-    timed_out = False
+# ----- the checker -----
+
+
+def _namespace(session: "_Session", report: dict) -> dict[str, Any]:
+    """The tests' namespace: the candidate's plain-data globals and a proxy per function, never over a built-in."""
+    namespace: dict[str, Any] = {"__name__": "__sandbox_tests__"}
+    for name, value in report["values"].items():
+        namespace[name] = value
+    for name in report["functions"]:
+        namespace[name] = _Proxy(session, name)
+    return namespace
+
+
+def _run_tests(tests: list[str], setup: str, namespace: dict, errors: list[str],
+               timeout: float) -> tuple[list[bool], bool]:
+    outcomes = [False] * len(tests)
     try:
-        process.communicate(payload, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        _kill_group(process.pid)  # the child and anything it started
+        setup_error = _check(setup, namespace) if setup else None
+    except (_Timeout, _Crash) as error:
+        setup_error = setup + "  # " + (_timeout_message(timeout) if isinstance(error, _Timeout) else str(error))
+    if setup_error is not None:
+        errors.append("setup failed: " + setup_error)
+        return outcomes, False
+    for index, test in enumerate(tests):
         try:
-            if process.stdin is not None:
-                process.stdin.close()
-        except OSError:
-            pass
-        process.wait()
-    return process.returncode, timed_out
+            failure = _check(test, namespace)
+        except _Timeout:
+            errors.append(test + "  # " + _timeout_message(timeout))
+            return outcomes, True
+        except _Crash as crash:
+            failure = test + "  # " + str(crash)
+        outcomes[index] = failure is None
+        if failure is not None:
+            errors.append(failure)
+    return outcomes, False
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already gone
-
-
-def _child_env(home: str) -> dict[str, str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-    if "LD_LIBRARY_PATH" in os.environ:  # some Python builds need it to start at all
-        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-    return env
-
-
-def _tail(handle, size: int = 64 * 1024) -> bytes:
-    handle.flush()
-    end = handle.seek(0, os.SEEK_END)
-    handle.seek(max(0, end - size))
-    return handle.read()
-
-
-def _find_summary(output: bytes, nonce: str) -> dict | None:
-    """The harness's JSON summary: the text after the last occurrence of the nonce, up to the line end."""
-    text = output.decode("utf-8", errors="replace")
-    start = text.rfind(nonce)
-    if start < 0:
-        return None
-    line = text[start + len(nonce):].split("\n", 1)[0]
-    try:
-        summary = json.loads(line)
-    except ValueError:
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# The trusted harness, run by the child interpreter as a script. argv: address-space bytes, CPU seconds, file
-# size bytes, open files. stdin: {"code", "tests", "nonce"} as JSON. It must only use the standard library.
-_HARNESS = r'''
-import ast
-import json
-import os
-import resource
-import socket
-import sys
-
-MAX_ERRORS = 5
-
-
-def limit_resources(address_space, cpu_seconds, file_size, open_files):
-    for kind, value in ((resource.RLIMIT_AS, address_space), (resource.RLIMIT_CPU, cpu_seconds),
-                        (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NOFILE, open_files),
-                        (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(kind, (value, value))
-
-
-def block_network():
-    import _socket
-
-    def no_network(*args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
-
-    for module in (socket, _socket):
-        for name in ("socket", "SocketType", "socketpair", "fromfd", "create_connection", "create_server",
-                     "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
-            if hasattr(module, name):
-                setattr(module, name, no_network)
-
-
-class Sink:
-    """Swallows what the candidate prints through sys.stdout / sys.stderr."""
-
-    def write(self, text):
-        return len(text)
-
-    def flush(self):
-        pass
-
-
-def short(text, limit):
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check(test, namespace):
-    """None when the test passes, else a one-line reason."""
+def _check(test: str, namespace: dict) -> str | None:
+    """None when the test passes, else a one-line reason. `_Timeout` and `_Crash` propagate."""
     try:
         tree = ast.parse(test, mode="exec")
         node = tree.body[0] if len(tree.body) == 1 else None
@@ -242,54 +210,265 @@ def check(test, namespace):
                 and isinstance(node.test.ops[0], ast.Eq) and node.msg is None):
             got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), namespace)
             expected = eval(compile(ast.Expression(node.test.comparators[0]), "<test>", "eval"), namespace)
-            if bool(got == expected):
+            if got == expected:
                 return None
-            return test + "  # got " + short(repr(got), 80)
+            return test + "  # got " + _short(repr(got), 80)
         exec(compile(tree, "<test>", "exec"), namespace)
         return None
     except AssertionError as error:
         return test + "  # AssertionError" + (": " + str(error) if str(error) else "")
-    except BaseException as error:
+    except Exception as error:
         return test + "  # " + type(error).__name__ + ": " + str(error)
 
 
-def main():
-    request = json.loads(sys.stdin.read())
-    report = os.dup(1)
-    limit_resources(*(int(value) for value in sys.argv[1:5]))
-    block_network()
-    sys.stdout = sys.stderr = Sink()
-    code, tests, setup, nonce = request["code"], request["tests"], request["setup"], request["nonce"]
-    del request
-    outcomes, errors = [False] * len(tests), []
-    try:
-        compiled = compile(code, "<candidate>", "exec")
-    except SyntaxError as error:
-        compiled = None
-        where = " (line " + str(error.lineno) + ")" if error.lineno else ""
-        errors.append(type(error).__name__ + ": " + str(error.msg) + where)
-    except BaseException as error:  # e.g. null bytes in the source
-        compiled = None
-        errors.append(type(error).__name__ + ": " + str(error))
-    if compiled is not None:
-        namespace = {"__name__": "__sandbox__"}
+class _Proxy:
+    """Stands for a function of the candidate code: a call runs the real one in the child, on copies of plain data."""
+
+    __slots__ = ("_session", "_name")
+
+    def __init__(self, session: "_Session", name: str):
+        self._session, self._name = session, name
+
+    def __call__(self, *args, **kwargs):
+        return self._session.call(self._name, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<sandboxed function {self._name}>"
+
+
+def _candidate_exception(name: str, message: str) -> Exception:
+    """The exception to raise in the checker for one the candidate raised: the built-in type of that name, if any."""
+    kind = getattr(builtins, name, None) if name.isidentifier() else None
+    if isinstance(kind, type) and issubclass(kind, Exception):
         try:
-            exec(compiled, namespace)
-        except BaseException as error:
-            errors.append(type(error).__name__ + " while running the code: " + str(error))
-        setup_error = check(setup, namespace) if setup else None
-        if setup_error is not None:
-            errors.append("setup failed: " + setup_error)
-        for index, test in enumerate(tests):
-            failure = check(test, namespace) if setup_error is None else "skipped"
-            if failure is None:
-                outcomes[index] = True
-            elif setup_error is None:
-                errors.append(failure)
-    summary = {"outcomes": outcomes, "errors": [short(e, 200) for e in errors[:MAX_ERRORS]]}
-    os.write(report, ("\n" + nonce + json.dumps(summary) + "\n").encode("utf-8", errors="replace"))
-    os._exit(0)  # skip atexit handlers and threads the candidate may have left behind
+            return kind(message)
+        except Exception:  # e.g. UnicodeDecodeError needs five arguments
+            pass
+    return CandidateError(f"{name}: {message}" if message else name)
 
 
-main()
-'''
+def _timeout_message(timeout: float) -> str:
+    return f"Timeout: the program ran longer than {timeout:g} s"
+
+
+def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----- the child -----
+
+
+class _Session:
+    """The child processes of one run: (re)starts the child with the candidate code and forwards calls to it."""
+
+    def __init__(self, code: str, timeout: float, memory_mb: int):
+        self.code, self.timeout, self.memory_mb = code, timeout, memory_mb
+        self.deadline = time.monotonic() + timeout
+        self.child: _Child | None = None
+        self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
+        self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
+
+    def __enter__(self) -> "_Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        self.tmp.cleanup()
+
+    def load(self) -> dict:
+        """Start a child with the candidate code; its report: `syntax_error`, `error`, `functions`, `values`."""
+        self._stop()
+        self.child = _Child(self._config(), self.deadline)
+        isolation = self.child.receive()  # written before the candidate code runs: trusted
+        mode = str(isolation.get("isolation"))
+        if mode != "namespaces" and not _disabled_reason():
+            _disable_isolation(mode)
+            if mode.startswith("failed"):  # the kernel allowed the namespaces but not the rest: run unisolated
+                return self.load()
+        self.child.send({"code": self.code})
+        return _load_report(self.child.receive())
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            request = {"call": name, "args": [codec.encode(value) for value in args],
+                       "kwargs": {key: codec.encode(value) for key, value in kwargs.items()}}
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"an argument of {name}() cannot be sent to the sandbox: {error}") from None
+        if self.child is None:  # the previous child crashed: a fresh one for this call
+            self.load()
+        try:
+            self.child.send(request)
+            returned, raised = _reply(self.child.receive())
+        except ValueError as error:
+            self._stop()
+            raise _Crash(f"Crash: invalid reply from the program ({error})") from None
+        except (_Timeout, _Crash):
+            self._stop()
+            raise
+        if raised is not None:
+            raise raised
+        return returned
+
+    def _stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def _config(self) -> dict:
+        root, work = os.path.join(self.tmp.name, "root"), os.path.join(self.tmp.name, "work")
+        os.makedirs(root, exist_ok=True)
+        os.makedirs(work, exist_ok=True)
+        return {"isolate": not _disabled_reason(), "uid": _run_uid(), "root": root, "work": work,
+                "cgroups": self.cgroup.procs_files if self.cgroup is not None else [],
+                "memory_bytes": int(self.memory_mb) << 20, "cpu_seconds": int(self.timeout) + 2,
+                "file_bytes": MAX_OUTPUT_BYTES, "open_files": MAX_OPEN_FILES, "processes": MAX_PROCESSES,
+                "tmp_bytes": min(int(self.memory_mb), MAX_TMP_MB) << 20}
+
+
+def _load_report(report: dict) -> dict:
+    """The child's load report, checked: it may have been forged by the candidate code, so only its shape counts."""
+    syntax_error, error = report.get("syntax_error"), report.get("error")
+    if syntax_error is not None:
+        return {"syntax_error": str(syntax_error), "error": None, "functions": [], "values": {}}
+    functions, values = report.get("functions"), report.get("values")
+    if type(functions) is not list or type(values) is not dict:
+        raise _Crash("Crash: invalid report from the program")
+    usable = functools.partial(_usable_name, set(dir(builtins)))
+    return {"syntax_error": None, "error": str(error) if error else None,
+            "functions": [name for name in functions if usable(name)],
+            "values": {name: codec.decode(value) for name, value in values.items() if usable(name)}}
+
+
+def _usable_name(builtin_names: set[str], name) -> bool:
+    return type(name) is str and name.isidentifier() and not name.startswith("__") and name not in builtin_names
+
+
+def _reply(reply: dict) -> tuple[Any, Exception | None]:
+    """(the value returned, None) or (None, the exception raised) by a call; `ValueError` if malformed."""
+    if "value" in reply:
+        return codec.decode(reply["value"]), None
+    raised = reply.get("raise")
+    if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
+        return None, _candidate_exception(raised[0], _short(raised[1]))
+    raise ValueError("neither a value nor an exception")
+
+
+class _Child:
+    """One child process (`_sandbox_child.py`) and the framed pipes to it; every wait ends at `deadline`."""
+
+    def __init__(self, config: dict, deadline: float):
+        self.deadline = deadline
+        self.stderr = tempfile.TemporaryFile()
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        home = "/tmp" if config["isolate"] else config["work"]
+        env.update(HOME=home, TMPDIR=home)
+        if "LD_LIBRARY_PATH" in os.environ:  # some Python builds need it to start at all
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", CHILD, json.dumps(config)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr, cwd=config["work"], env=env, start_new_session=True,
+            close_fds=True, bufsize=0)
+        self.to_child, self.from_child = self.process.stdin.fileno(), self.process.stdout.fileno()
+        os.set_blocking(self.to_child, False)
+
+    def send(self, message: dict) -> None:
+        data = memoryview(codec.frame(message))
+        while data:
+            self._wait(self.to_child, select.POLLOUT)
+            try:
+                data = data[os.write(self.to_child, data):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                raise _Crash(self._crash_message()) from None
+
+    def receive(self) -> dict:
+        size = int.from_bytes(self._read(4), "big")
+        if size > codec.MAX_FRAME_BYTES:
+            raise ValueError(f"a message of {size} bytes")
+        return codec.parse(self._read(size))
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the child and what it started (without setsid)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pipe in (self.process.stdin, self.process.stdout):
+            pipe.close()
+        self.process.wait()
+        self.stderr.close()
+
+    def _read(self, size: int) -> bytes:
+        chunks, left = [], size
+        while left:
+            self._wait(self.from_child, select.POLLIN)
+            chunk = os.read(self.from_child, min(left, 1 << 20))
+            if not chunk:
+                raise _Crash(self._crash_message())
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _wait(self, fd: int, event: int) -> None:
+        poller = select.poll()
+        poller.register(fd, event)
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 or not poller.poll(remaining * 1000):
+            raise _Timeout()
+
+    def _crash_message(self) -> str:
+        try:
+            code = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "Crash: the program closed its output"
+        if code > 128:
+            name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else code - 128
+            hint = " (out of memory?)" if code - 128 == signal.SIGKILL else ""
+            return f"Crash: the program was killed by {name}{hint}"
+        self.stderr.seek(0)
+        last = self.stderr.read()[-2000:].decode("utf-8", errors="replace").strip().splitlines()[-1:]
+        return f"Crash: the program exited (code {code})" + (f": {last[0]}" if last else "")
+
+
+# ----- isolation state -----
+
+_STATE_LOCK = threading.Lock()
+_DISABLED: list[str] = []  # why namespaces are not used in this process (empty: they are)
+
+
+def _disabled_reason() -> str:
+    if not _DISABLED and not sys.platform.startswith("linux"):
+        _disable_isolation(f"none: {sys.platform} has no Linux namespaces")
+    return _DISABLED[0] if _DISABLED else ""
+
+
+def _disable_isolation(reason: str) -> None:
+    with _STATE_LOCK:
+        if _DISABLED:
+            return
+        _DISABLED.append(reason)
+    warnings.warn(f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
+                  "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').", RuntimeWarning,
+                  stacklevel=4)
+
+
+@functools.cache
+def _uid_range() -> range | None:
+    """Uids free for the runs: [1_000_000, 2_000_000) when this user namespace maps all of them."""
+    try:
+        with open("/proc/self/uid_map") as handle:
+            extents = [tuple(int(part) for part in line.split()) for line in handle if line.strip()]
+    except OSError:
+        return None
+    wanted = range(1_000_000, 2_000_000)
+    return wanted if any(start <= wanted.start and wanted.stop <= start + count for start, _, count in extents) else None
+
+
+def _run_uid() -> int:
+    """A uid of the run's own (so that RLIMIT_NPROC counts only its processes), else nobody (65534)."""
+    uids = _uid_range()
+    return random.choice(uids) if uids is not None else 65534

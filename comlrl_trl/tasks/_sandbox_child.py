@@ -1,0 +1,273 @@
+"""The untrusted side of `comlrl_trl.tasks.sandbox`: isolate this process, load the candidate program, serve calls.
+
+The checker runs this file as `python -I -S _sandbox_child.py CONFIG` (CONFIG: JSON from `sandbox._Session`), with
+requests on fd 0, replies on fd 1 (length-prefixed JSON, see `_sandbox_codec`) and stderr to a file. Before it
+reads any candidate code it:
+
+1. joins the run's cgroups, when the checker made them (memory and process count of the whole process tree);
+2. with `isolate`: enters new mount, PID, network, IPC and UTS namespaces and forks. The first process only waits
+   and relays the exit status; the second is PID 1 of the new PID namespace (when it dies, the kernel kills every
+   other process in it) and gets the parent-death signal SIGKILL. It builds a new root: a read-only tmpfs holding
+   read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard library and a few
+   devices, a fresh /proc, and a small writable tmpfs on /tmp, its working directory. It chroots there, sets
+   the resource limits and drops to the run's unprivileged uid, without supplementary groups and with
+   `no_new_privs`;
+3. without `isolate`, or where the kernel refuses a new namespace (the fallback): sets the resource limits and
+   disables Python-level sockets only.
+
+Its first reply, written before any candidate code runs, says which of 2. and 3. holds. Then it executes the
+candidate code, reports the names it defines, and answers `call` requests with plain data. Everything after the
+first reply may be forged by the candidate code: the checker relies on none of it.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _sandbox_codec as codec  # noqa: E402  (this file runs as a script, outside the package)
+
+del sys.path[0]
+STDLIB = [path for path in sys.path if os.path.exists(path)]
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+DEVICES = ("null", "zero", "urandom", "random")
+ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or real directories
+MAX_MESSAGE_CHARS = 200
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# ----- isolation (trusted: runs before the candidate code) -----
+
+
+def _libc_call(name: str, *args) -> None:
+    if getattr(_libc, name)(*args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{name}: {os.strerror(errno)}")
+
+
+def _mount(source, target, fstype, flags: int, data=None) -> None:
+    def raw(text):
+        return None if text is None else os.fsencode(text)
+
+    _libc_call("mount", raw(source), raw(target), raw(fstype), ctypes.c_ulong(flags), raw(data))
+
+
+def _prctl(option: int, value: int) -> None:
+    _libc_call("prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def _bind_readonly(source: str, target: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
+    _mount(source, target, None, MS_BIND)
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+
+
+def enter_namespaces() -> int:
+    """Unshare and fork. Returns (in PID 1 of the new namespace) the read end of a pipe that closes with the parent;
+    the first process never returns: it waits for PID 1 and exits with its status."""
+    _libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    lifeline, keep = os.pipe()
+    pid = os.fork()
+    if pid:
+        for fd in (0, 1, lifeline):  # the checker sees EOF as soon as PID 1 is gone
+            os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+    os.close(keep)
+    return lifeline
+
+
+def build_root(root: str, uid: int, tmp_bytes: int) -> None:
+    """A new root file system in `root`, read-only except a tmpfs on /tmp; chroot into it."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    exposed = []
+
+    def expose(path):
+        if os.path.exists(path) and not any(path == done or path.startswith(done + "/") for done in exposed):
+            os.makedirs(root + path if os.path.isdir(path) else os.path.dirname(root + path), exist_ok=True)
+            if not os.path.isdir(path):
+                open(root + path, "wb").close()
+            _bind_readonly(path, root + path)
+            exposed.append(path)
+
+    expose("/usr")
+    for name in ROOT_LINKS:
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), f"{root}/{name}")
+        else:
+            expose("/" + name)
+    for path in STDLIB:
+        expose(os.path.realpath(path))
+    os.mkdir(root + "/dev")
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "wb").close()
+        _bind_readonly(f"/dev/{name}", f"{root}/dev/{name}", MS_NOSUID | MS_NOEXEC)
+    os.mkdir(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.mkdir(root + "/tmp")
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"mode=700,uid={uid},gid={uid},size={tmp_bytes}")
+    _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chroot(root)
+    os.chdir("/tmp")
+
+
+def set_limits(config: dict, processes: bool) -> None:
+    limits = [(resource.RLIMIT_AS, config["memory_bytes"]), (resource.RLIMIT_CPU, config["cpu_seconds"]),
+              (resource.RLIMIT_FSIZE, config["file_bytes"]), (resource.RLIMIT_NOFILE, config["open_files"]),
+              (resource.RLIMIT_CORE, 0)]
+    if processes:  # counts the processes of the real uid: meaningful only after dropping to the run's own uid
+        limits.append((resource.RLIMIT_NPROC, config["processes"]))
+    for kind, value in limits:
+        resource.setrlimit(kind, (value, value))
+
+
+def drop_privileges(uid: int, lifeline: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after the uid change, which clears it
+    if select.select([lifeline], [], [], 0)[0]:  # the first process died before the line above
+        os._exit(1)
+
+
+def block_network() -> None:
+    """The fallback's guard against accidents only: candidate code can undo it (e.g. via subprocess or ctypes)."""
+    import _socket
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise PermissionError("network access is disabled in the sandbox")
+
+    for module in (socket, _socket):
+        for name in ("socket", "SocketType", "socketpair", "fromfd", "create_connection", "create_server",
+                     "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+            if hasattr(module, name):
+                setattr(module, name, no_network)
+
+
+def isolate(config: dict) -> str:
+    """Apply the isolation of the module docstring; returns how this process is isolated."""
+    for path in config["cgroups"]:
+        with open(path, "w") as handle:
+            handle.write(str(os.getpid()))
+    if config["isolate"]:
+        try:
+            lifeline = enter_namespaces()
+        except OSError as error:  # no namespaces on this system (or not allowed here): the fallback
+            reason = f"unshare failed ({error.strerror})"
+        else:
+            try:
+                build_root(config["root"], config["uid"], config["tmp_bytes"])
+                set_limits(config, processes=True)
+                drop_privileges(config["uid"], lifeline)
+            except OSError as error:
+                return f"failed: {error}"
+            return "namespaces"
+    else:
+        reason = "disabled"
+    set_limits(config, processes=False)
+    block_network()
+    return "none: " + reason
+
+
+# ----- serving the checker (the candidate code runs from here on) -----
+
+
+class Sink:
+    """Swallows what the candidate prints through sys.stdout / sys.stderr."""
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def send(fd: int, message: dict) -> None:
+    codec.write_all(fd, codec.frame(message))
+
+
+def receive(fd: int) -> dict:
+    size = int.from_bytes(codec.read_exact(fd, 4), "big")
+    return codec.parse(codec.read_exact(fd, size))
+
+
+def message(error: BaseException) -> str:
+    try:
+        return str(error)[:MAX_MESSAGE_CHARS]
+    except BaseException:  # a candidate-defined __str__ may fail
+        return ""
+
+
+def load(code: str) -> tuple[dict, dict]:
+    """Execute the candidate code; returns its namespace and the report: errors and the names it defines."""
+    namespace = {"__name__": "__sandbox__"}
+    try:
+        compiled = compile(code, "<candidate>", "exec")
+    except SyntaxError as error:
+        where = f" (line {error.lineno})" if error.lineno else ""
+        return namespace, {"syntax_error": f"SyntaxError: {error.msg}{where}"}
+    except BaseException as error:  # e.g. null bytes in the source
+        return namespace, {"syntax_error": f"{type(error).__name__}: {message(error)}"}
+    report = {"error": None, "functions": [], "values": {}}
+    try:
+        exec(compiled, namespace)
+    except BaseException as error:
+        report["error"] = f"{type(error).__name__} while running the code: {message(error)}"
+    for name, value in list(namespace.items()):
+        if callable(value):
+            report["functions"].append(name)
+        else:
+            try:
+                report["values"][name] = codec.encode(value)
+            except (TypeError, ValueError):
+                pass  # modules and other objects stay in the child
+    return namespace, report
+
+
+def answer(namespace: dict, request: dict) -> dict:
+    try:
+        function = namespace[request["call"]]
+        args = [codec.decode(value) for value in request["args"]]
+        kwargs = {key: codec.decode(value) for key, value in request["kwargs"].items()}
+        reply = {"value": codec.encode(function(*args, **kwargs))}
+        codec.frame(reply)  # too large to send?
+        return reply
+    except BaseException as error:
+        return {"raise": [type(error).__name__, message(error)]}
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    isolation = isolate(config)
+    requests, replies = os.dup(0), os.dup(1)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    send(replies, {"isolation": isolation})
+    if isolation.startswith("failed"):
+        os._exit(1)
+    sys.stdout = sys.stderr = Sink()
+    namespace, report = load(receive(requests)["code"])
+    send(replies, report)
+    while True:
+        try:
+            request = receive(requests)
+        except EOFError:
+            os._exit(0)
+        send(replies, answer(namespace, request))
+
+
+if __name__ == "__main__":
+    main()

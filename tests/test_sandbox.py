@@ -1,0 +1,275 @@
+"""The sandbox's integrity: reward-faking attacks score low, and the isolation holds (network, processes, memory,
+secrets, files). Each attack below scored the full reward with the old sandbox (issue 12)."""
+
+import os
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from comlrl_trl.tasks import _cgroup
+from comlrl_trl.tasks import _sandbox_codec as codec
+from comlrl_trl.tasks import code_feedback as task
+from comlrl_trl.tasks.sandbox import MAX_PROCESSES, run_python, isolation_mode
+
+
+ISOLATED = pytest.mark.skipif(isolation_mode() != "namespaces",
+                              reason="needs Linux namespaces (root); this system runs the sandbox's fallback")
+HELPER = "def aux(ch):\n    return ch.lower() in 'aeiou'\n"
+WRONG = "\n    return 2\n"  # count_vowels("hello") == 2 is the only test this passes
+
+# Each defines a wrong count_vowels (it returns 2) plus an attempt to make the tests pass anyway; top-level code comes
+# after the first `def`, where `extract_code` keeps it.
+ATTACKS = {
+    "main_module_checker": "import sys\ndef count_vowels(s):\n    main = sys.modules['__main__']\n"
+                           "    for name in dir(main):\n        if callable(getattr(main, name)):\n"
+                           "            setattr(main, name, lambda *a, **k: None)" + WRONG,
+    "always_equal": "def count_vowels(s):\n    class Yes:\n        def __eq__(self, other):\n            return True\n"
+                    "        def __bool__(self):\n            return True\n        __hash__ = object.__hash__\n"
+                    "    return Yes()\n",
+    "int_subclass": "def count_vowels(s):\n    class Two(int):\n        def __eq__(self, other):\n"
+                    "            return True\n    return Two(2)\n",
+    "builtins": "import builtins\ndef count_vowels(s):" + WRONG + "builtins.bool = lambda *a: True\n"
+                "builtins.AssertionError = type('Harmless', (Exception,), {})\n",
+    "compile_and_ast": "import ast, builtins\ndef count_vowels(s):" + WRONG +
+                       "PASS = ast.parse('pass')\nast.parse = lambda *a, **k: PASS\n"
+                       "builtins.compile = (lambda real: lambda *a, **k: real(PASS, '<x>', 'exec'))(compile)\n",
+    "forged_report_and_exit": (
+        "import json, os, sys\n"
+        "def count_vowels(s):\n"
+        "    frame, fds, nonces = sys._getframe(), set(range(64)), set()\n"
+        "    while frame:\n"
+        "        for value in frame.f_locals.values():\n"
+        "            if type(value) is str and len(value) == 32:\n"
+        "                nonces.add(value)\n"
+        "        frame = frame.f_back\n"
+        "    summary = json.dumps({'outcomes': [True] * 4, 'errors': []})\n"
+        "    forged = json.dumps({'value': ['I', '5'], 'outcomes': [True] * 4}).encode()\n"
+        "    for fd in fds:\n"
+        "        for nonce in nonces:\n"
+        "            try:\n"
+        "                os.write(fd, ('\\n' + nonce + summary + '\\n').encode())\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "        try:\n"
+        "            os.write(fd, len(forged).to_bytes(4, 'big') + forged)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    os._exit(0)\n"),
+}
+
+
+def _count_vowels_item():
+    return next(row for row in task.build_dataset("train") if row["entry_point"] == "count_vowels")
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_reward_faking_attacks_score_low(attack):
+    item = _count_vowels_item()
+    reward = task.reward([HELPER], [ATTACKS[attack]], batch_items=[item])[0]
+    result = task.run_tests(HELPER, ATTACKS[attack], item["tests"])
+    assert result.passed <= 1, result
+    assert reward <= 0.25 + 2 * task.STRUCTURE_BONUS, reward  # the correct program gets 1.2
+
+
+def test_general_asserts_setup_and_exceptions():
+    code = ("def half(x):\n    return x / 2\ndef pair(a, b):\n    return (a, [b], {a: b})\n"
+            "def picky(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+            "def abs(x):\n    return 0\n")  # shadows a built-in: must not reach the tests
+    tests = ["assert abs(candidate(1.0) - 0.5) < 1e-6", "for i in range(3):\n    assert candidate(2 * i) == i",
+             "assert pair(1, 'b') == (1, ['b'], {1: 'b'})", "assert True", "assert close(candidate(3), 1.5)",
+             "try:\n    picky(-1)\n    raise AssertionError('no error')\nexcept ValueError as error:\n"
+             "    assert str(error) == 'negative'", "assert abs(-3) == 0", "assert candidate(float('inf')) > 1e308"]
+    setup = "import math\ncandidate = half\ndef close(a, b):\n    return math.isclose(a, b)"
+    result = run_python(code, tests, setup=setup)
+    assert result.test_passed == [True, True, True, True, True, True, False, True], result.errors
+    assert result.errors == ["assert abs(-3) == 0  # got 3"]
+
+
+def test_a_crash_fails_only_its_own_test_and_a_timeout_keeps_earlier_passes():
+    code = "import os\ndef f(x):\n    if x == 1:\n        os._exit(3)\n    while x == 2:\n        pass\n    return x\n"
+    result = run_python(code, ["assert f(0) == 0", "assert f(1) == 1", "assert f(5) == 5", "assert f(2) == 2",
+                               "assert f(7) == 7"], timeout=1.5)
+    assert result.test_passed == [True, False, True, False, False] and result.timed_out
+    assert "Crash" in result.errors[0] and "Timeout" in result.errors[1]
+
+
+def test_values_that_are_not_plain_data_fail_the_test():
+    code = "def gen():\n    return (i for i in range(3))\ndef fn():\n    return fn\nlimit = 3\n"
+    result = run_python(code, ["assert list(gen()) == [0, 1, 2]", "assert fn() is not None", "assert limit == 3",
+                               "assert gen(lambda: 1) is None"])
+    assert result.test_passed == [False, False, True, False]
+    assert "generator cannot cross the sandbox boundary" in result.errors[0]
+    assert "cannot be sent to the sandbox" in result.errors[2]
+
+
+def test_codec_round_trip_and_strictness():
+    value = [None, True, -7, 10**40, 1.5, float("inf"), "é\udc80", b"\x00\xff", (1, [2]), {"k": {3}},
+             frozenset({4}), {(1, 2): None}]
+    assert codec.decode(codec.parse(codec.frame({"v": codec.encode(value)})[4:])["v"]) == value
+    nan = codec.decode(codec.encode(float("nan")))
+    assert nan != nan
+    with pytest.raises(TypeError, match="cannot cross"):
+        codec.encode(type("MyInt", (int,), {})(1))
+    for bad in (["I", 5], ["B", 1], ["L", 1], ["D", [["N"]]], ["E", [["L", []]]], ["Q", 1], [], "S", ["N", 1]):
+        with pytest.raises(ValueError):
+            codec.decode(bad)
+    with pytest.raises(ValueError, match="nested"):
+        codec.encode(_nested(codec.MAX_DEPTH + 2))
+
+
+def _nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# ----- isolation (Linux, root) -----
+
+
+@ISOLATED
+def test_no_network_by_any_route():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(1.5)
+    port = listener.getsockname()[1]
+    code = f"""
+import ctypes, importlib, os, subprocess, sys
+def attempt():
+    tried = []
+    try:
+        sys.modules.pop('_socket', None)
+        raw = importlib.import_module('_socket')
+        raw.socket().connect(('127.0.0.1', {port}))
+        tried.append('socket')
+    except OSError as error:
+        tried.append(str(error))
+    tried.append(os.system("bash -c 'echo x > /dev/tcp/127.0.0.1/{port}'"))
+    tried.append(subprocess.run(['bash', '-c', 'echo x > /dev/tcp/127.0.0.1/{port}']).returncode)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.socket(2, 1, 0)
+    address = (2).to_bytes(2, 'little') + ({port}).to_bytes(2, 'big') + bytes([127, 0, 0, 1]) + bytes(8)
+    tried.append(libc.connect(fd, address, 16))
+    return tried
+"""
+    result = run_python(code, ["result = attempt()", "assert result[0] == 'socket'"], timeout=5.0)
+    assert result.test_passed == [True, False], result.errors
+    with pytest.raises(socket.timeout):
+        listener.accept()  # nothing arrived by any of the four routes
+    listener.close()
+
+
+@ISOLATED
+def test_no_process_survives_the_run():
+    marker = f"{secrets.randbelow(10**6)}.{secrets.randbelow(10**6):06d}"
+    code = f"""
+import os, time
+def escape(n):
+    for _ in range(n):
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv('/usr/bin/sleep', ['sleep', '{marker}'])
+            os._exit(0)
+    time.sleep(0.2)
+    return n
+"""
+    result = run_python(code, ["assert escape(2) == 2"])
+    assert result.passed == 1, result.errors
+    time.sleep(1.0)
+    assert not [path for path in Path("/proc").glob("[0-9]*/cmdline") if marker in _read(path)]
+
+
+@ISOLATED
+def test_process_count_is_limited():
+    code = ("import os, time\ndef spawn(n):\n    started = 0\n    for _ in range(n):\n        try:\n"
+            "            if os.fork() == 0:\n                time.sleep(2)\n                os._exit(0)\n"
+            "            started += 1\n        except OSError:\n            break\n    return started\n")
+    result = run_python(code, [f"assert spawn(50) < {MAX_PROCESSES}"], timeout=4.0)
+    assert result.passed == 1, result.errors
+
+
+@pytest.mark.skipif(_cgroup._layout() is None, reason="no writable cgroup: memory is limited per process only")
+def test_memory_is_limited_for_the_whole_process_tree():
+    code = ("import os\ndef grow(children, mib):\n    pids = []\n    for _ in range(children):\n"
+            "        pid = os.fork()\n        if pid == 0:\n            block = b'x' * (mib << 20)\n"
+            "            os._exit(0 if len(block) else 1)\n        pids.append(pid)\n"
+            "    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)\n")
+    capped = run_python(code, ["assert grow(3, 200) == 3"], memory_mb=256, timeout=10.0)
+    assert capped.passed == 0, capped.errors  # each child alone fits in 256 MiB, the three together do not
+    roomy = run_python(code, ["assert grow(3, 200) == 3"], memory_mb=1024, timeout=10.0)
+    assert roomy.passed == 1, roomy.errors
+
+
+@ISOLATED
+def test_no_secret_from_the_parent_environment(monkeypatch):
+    token = "hunter2-" + secrets.token_hex(8)
+    monkeypatch.setenv("SECRET_TOKEN", token)
+    holder = subprocess.Popen(["sleep", "30"], env={**os.environ, "SECRET_TOKEN": token})
+    try:
+        for _ in range(100):  # until `sleep` runs
+            if token in _read(Path(f"/proc/{holder.pid}/environ")):
+                break
+            time.sleep(0.01)
+        assert token in _read(Path(f"/proc/{holder.pid}/environ"))  # readable from here, not from the sandbox
+        code = f"""
+import os
+def leak():
+    seen = [repr(dict(os.environ))]
+    for pid in ['{holder.pid}', '{os.getpid()}', str(os.getppid()), 'self', *os.listdir('/proc')]:
+        try:
+            with open('/proc/' + pid + '/environ', 'rb') as handle:
+                seen.append(handle.read().decode(errors='replace'))
+        except OSError:
+            pass
+    return ' '.join(seen)
+"""
+        result = run_python(code, [f"assert {token!r} not in leak()", "assert 'SECRET_TOKEN' not in leak()"])
+        assert result.passed == 2, result.errors
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@ISOLATED
+def test_nothing_is_written_outside_the_private_tmp(tmp_path):
+    targets = [Path(task.__file__).with_name("planted.py"), tmp_path / "planted.txt",
+               Path(os.__file__).with_name("planted.py"), Path("/tmp") / f"planted-{secrets.token_hex(4)}"]
+    code = f"""
+import os
+def plant(paths):
+    written = []
+    for path in paths:
+        try:
+            with open(path, 'w') as handle:
+                handle.write('x')
+            written.append(path)
+        except OSError:
+            pass
+    return written
+def answer_key():
+    return open({task.__file__!r}).read()
+"""
+    outside = [str(path) for path in targets[:3]]
+    try:
+        result = run_python(code, [f"assert plant({outside!r}) == []", f"plant([{str(targets[3])!r}])",
+                                   "assert plant(['scratch.txt']) == ['scratch.txt']", "answer_key()"])
+        planted = [path for path in targets if path.exists()]
+    finally:
+        for path in targets:
+            path.unlink(missing_ok=True)
+    assert result.test_passed == [True, True, True, False], result.errors
+    assert "FileNotFoundError" in result.errors[0]  # the task's source (its tests) is not in the sandbox's tree
+    assert planted == []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
