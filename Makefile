@@ -10,7 +10,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-demo test test-slow demo bench lint clean
+.PHONY: install install-demo test test-slow demo bench bench-sandbox lint clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,9 +40,13 @@ test-slow: install-demo
 demo: install-demo
 	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py
 
-## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL; writes benchmarks/results/
-bench: install-demo
+## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL, and the code sandbox; writes benchmarks/results/
+bench: install-demo bench-sandbox
 	$(PY) benchmarks/bench.py
+
+## Sandbox throughput (run_python calls/s, a code_feedback reward batch) against benchmarks/results/sandbox-before.json
+bench-sandbox: install
+	$(PY) benchmarks/sandbox.py
 
 lint: install
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check comlrl_trl tests examples

@@ -16,11 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from comlrl_trl.tasks import code_feedback as task  # noqa: E402
 from comlrl_trl.tasks.sandbox import run_python  # noqa: E402
+
 
 HELPER = "def aux(ch):\n    return ch.lower() in 'aeiou'\n"
 MAIN = "def count_vowels(s):\n    return sum(1 for ch in s if aux(ch))  # {}\n"

@@ -6,14 +6,15 @@ import secrets
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
-from comlrl_trl.tasks import _cgroup
+from comlrl_trl.tasks import _cgroup, sandbox
 from comlrl_trl.tasks import _sandbox_codec as codec
 from comlrl_trl.tasks import code_feedback as task
-from comlrl_trl.tasks.sandbox import MAX_PROCESSES, run_python, isolation_mode
+from comlrl_trl.tasks.sandbox import MAX_PROCESSES, isolation_mode, run_python
 
 
 ISOLATED = pytest.mark.skipif(isolation_mode() != "namespaces",
@@ -119,6 +120,9 @@ def test_codec_round_trip_and_strictness():
             codec.decode(bad)
     with pytest.raises(ValueError, match="nested"):
         codec.encode(_nested(codec.MAX_DEPTH + 2))
+    colliding = {k * (2**61 - 1) for k in range(codec.MAX_HASHED_ITEMS + 1)}  # all hash to 0
+    with pytest.raises(ValueError, match="set elements and dict keys"):
+        codec.decode(codec.encode(colliding))
 
 
 def _nested(depth):
@@ -126,6 +130,20 @@ def _nested(depth):
     for _ in range(depth):
         value = [value]
     return value
+
+
+def test_fallback_warns_once_and_still_computes_the_verdict(monkeypatch):
+    monkeypatch.setattr(sandbox, "_DISABLED", [])
+    with pytest.warns(RuntimeWarning, match="no namespace isolation \\(none: unshare failed"):
+        sandbox._disable_isolation("none: unshare failed (Operation not permitted)")
+    assert isolation_mode() == "fallback"
+    item = _count_vowels_item()
+    code = "import os\ndef home_is_cwd():\n    return os.environ['HOME'] == os.getcwd() != '/tmp'\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        sandbox._disable_isolation("another reason")
+        assert run_python(code, ["assert home_is_cwd()"]).passed == 1  # a private working directory
+        assert task.reward([HELPER], [ATTACKS["always_equal"] + "# fallback\n"], batch_items=[item])[0] <= 0.1 + 1e-9
 
 
 # ----- isolation (Linux, root) -----

@@ -63,7 +63,7 @@ class RunCgroup:
     def remove(self) -> None:
         self.kill()
         for path in self.dirs:
-            for attempt in range(50):  # the kernel may need a moment after the last process exits
+            for _attempt in range(50):  # the kernel may need a moment after the last process exits
                 try:
                     os.rmdir(path)
                     break

@@ -28,8 +28,10 @@ import select
 import signal
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _sandbox_codec as codec  # noqa: E402  (this file runs as a script, outside the package)
+
 
 del sys.path[0]
 STDLIB = [path for path in sys.path if os.path.exists(path)]

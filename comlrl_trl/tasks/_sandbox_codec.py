@@ -1,10 +1,11 @@
 """Plain data across the sandbox boundary: a strict tagged encoding of values, and length-prefixed JSON frames.
 
 Only these exact types cross (subclasses do not): None, bool, int, float (nan and inf included), str, bytes,
-and list, tuple, dict, set, frozenset of them, nested at most `MAX_DEPTH` deep. Each value becomes a JSON list
-whose first element is a one-letter tag, e.g. `(1, "a")` -> `["T", [["I", "1"], ["S", "a"]]]`. `decode` accepts
-nothing else, so whatever the untrusted side writes, the trusted side gets back plain Python data or a
-`ValueError`, never an object with methods of the sender's choosing.
+and list, tuple, dict, set, frozenset of them, nested at most `MAX_DEPTH` deep, with at most `MAX_HASHED_ITEMS`
+set elements and dict keys in all. Each value becomes a JSON list whose first element is a one-letter tag, e.g.
+`(1, "a")` -> `["T", [["I", "1"], ["S", "a"]]]`. `decode` accepts nothing else, so whatever the untrusted side
+writes, the trusted side gets back plain Python data or a `ValueError`, never an object with methods of the
+sender's choosing.
 
 This module is shared by the trusted checker (`sandbox.py`) and the untrusted child (`_sandbox_child.py`, which
 loads it by path), so it uses only the standard library and no package-relative imports.
@@ -13,8 +14,10 @@ loads it by path), so it uses only the standard library and no package-relative 
 import json
 import os
 
+
 MAX_DEPTH = 64  # nesting of containers
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # one message, JSON-encoded
+MAX_HASHED_ITEMS = 5000  # set elements plus dict keys in one decoded value (bounds hash-collision slowdowns)
 _SEQUENCES = {list: "L", tuple: "T", set: "E", frozenset: "Z"}
 _BUILD = {"L": list, "T": tuple, "E": set, "Z": frozenset}
 
@@ -44,8 +47,12 @@ def encode(value, depth: int = 0) -> list:
                     "bytes, and lists, tuples, dicts, sets and frozensets of them)")
 
 
-def decode(data, depth: int = 0):
+def decode(data):
     """The value `encode` produced; `ValueError` for anything malformed."""
+    return _decode(data, 0, [MAX_HASHED_ITEMS])
+
+
+def _decode(data, depth: int, hashed_left: list[int]):
     if depth > MAX_DEPTH or type(data) is not list or not data or type(data[0]) is not str:
         raise ValueError("malformed value")
     tag, args = data[0], data[1:]
@@ -65,19 +72,23 @@ def decode(data, depth: int = 0):
             return payload
         if tag == "Y" and kind is str:
             return bytes.fromhex(payload)
+        if tag in ("E", "Z", "D") and kind is list:  # colliding hashes make building these quadratic: bound them
+            hashed_left[0] -= len(payload)
+            if hashed_left[0] < 0:
+                raise ValueError(f"more than {MAX_HASHED_ITEMS} set elements and dict keys in one value")
         if tag in _BUILD and kind is list:
-            return _BUILD[tag](decode(item, depth + 1) for item in payload)
+            return _BUILD[tag](_decode(item, depth + 1, hashed_left) for item in payload)
         if tag == "D" and kind is list:
-            return dict(_decode_pair(pair, depth + 1) for pair in payload)
+            return dict(_decode_pair(pair, depth + 1, hashed_left) for pair in payload)
     except (TypeError, OverflowError, RecursionError) as error:  # e.g. an unhashable set element or dict key
         raise ValueError(f"malformed value: {error}") from None
     raise ValueError(f"malformed value (tag {tag[:8]!r})")
 
 
-def _decode_pair(pair, depth: int) -> tuple:
+def _decode_pair(pair, depth: int, hashed_left: list[int]) -> tuple:
     if type(pair) is not list or len(pair) != 2:
         raise ValueError("malformed dict entry")
-    return decode(pair[0], depth), decode(pair[1], depth)
+    return _decode(pair[0], depth, hashed_left), _decode(pair[1], depth, hashed_left)
 
 
 def frame(message: dict) -> bytes:

@@ -41,6 +41,7 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
 """
 
 import ast
+import atexit
 import builtins
 import functools
 import json
@@ -266,7 +267,7 @@ class _Session:
         self.deadline = time.monotonic() + timeout
         self.child: _Child | None = None
         self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
-        self.tmp = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
+        self.work: tempfile.TemporaryDirectory | None = None  # the fallback's working directory
 
     def __enter__(self) -> "_Session":
         return self
@@ -275,7 +276,8 @@ class _Session:
         self._stop()
         if self.cgroup is not None:
             self.cgroup.remove()
-        self.tmp.cleanup()
+        if self.work is not None:
+            self.work.cleanup()
 
     def load(self) -> dict:
         """Start a child with the candidate code; its report: `syntax_error`, `error`, `functions`, `values`."""
@@ -319,10 +321,11 @@ class _Session:
             self.cgroup.kill()
 
     def _config(self) -> dict:
-        root, work = os.path.join(self.tmp.name, "root"), os.path.join(self.tmp.name, "work")
-        os.makedirs(root, exist_ok=True)
-        os.makedirs(work, exist_ok=True)
-        return {"isolate": not _disabled_reason(), "uid": _run_uid(), "root": root, "work": work,
+        isolate = not _disabled_reason()
+        if not isolate and self.work is None:
+            self.work = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
+        work = "/" if isolate else self.work.name
+        return {"isolate": isolate, "uid": _run_uid(), "root": _mount_point(), "work": work,
                 "cgroups": self.cgroup.procs_files if self.cgroup is not None else [],
                 "memory_bytes": int(self.memory_mb) << 20, "cpu_seconds": int(self.timeout) + 2,
                 "file_bytes": MAX_OUTPUT_BYTES, "open_files": MAX_OPEN_FILES, "processes": MAX_PROCESSES,
@@ -454,6 +457,14 @@ def _disable_isolation(reason: str) -> None:
     warnings.warn(f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
                   "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').", RuntimeWarning,
                   stacklevel=4)
+
+
+@functools.cache
+def _mount_point() -> str:
+    """An empty directory that each isolated child mounts its new root over, in its own mount namespace only."""
+    path = tempfile.mkdtemp(prefix="comlrl-sandbox-root-")
+    atexit.register(os.rmdir, path)
+    return path
 
 
 @functools.cache
