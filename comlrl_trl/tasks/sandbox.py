@@ -9,7 +9,9 @@
   test). So the comparison `==`, `bool`, the `assert` and the pass/fail bookkeeping all run on values the
   checker built itself: no `__eq__`/`__bool__` object, no patched builtin or module, no forged report and no
   early exit can turn a wrong answer into a passed test. The child never sees the tests or the expected values;
-  what it writes is at most a wrong answer. Tests and setup are trusted code (they run in this process).
+  what it writes is at most a wrong answer. Tests and setup are trusted code (they run in this process); a
+  returned value is bounded (4 MiB per message, ints of at most 4300 digits, 5000 set elements and dict keys),
+  but keep the tests' own work on it cheap.
 * **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls.
 
 Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
@@ -20,9 +22,10 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
 
 * Linux as root, with namespaces (`isolation_mode() == "namespaces"`, checked on this project's machines and
   CI): the child runs in new mount, PID, network, IPC and UTS namespaces, as an unprivileged uid of its own per
-  run (no capabilities, `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and
-  a few devices, with a fresh /proc that shows only its own processes, a private writable tmpfs on /tmp (at most
-  `memory_mb`) and an empty environment. So: no network at all (only a down loopback device), no view of the
+  run (random in 1,000,000-1,999,999 where the user namespace maps them, else 65534; no capabilities,
+  `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and a few devices, with a
+  fresh /proc that shows only its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an
+  empty environment. So: no network at all (only a down loopback device), no view of the
   trainer's processes, environment or files (the repository, its tests and the datasets are not in the tree),
   nothing writable outside /tmp, and when the run ends every process of it dies with PID 1 of its namespace.
   Where a cgroup is writable (v1 memory + pids controllers, or v2 with both delegated), memory (`memory_mb`)
@@ -33,7 +36,8 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
   user in a temporary working directory with an empty environment and per-process limits (address space, CPU
   time, file size, open files), and Python-level sockets are disabled. The verdict is still computed by the
   checker (the reward cannot be faked from inside), but the candidate code can read and write what the
-  trainer's user can, reach the network through `subprocess` or `ctypes`, and leave processes behind.
+  trainer's user can, reach the network through `subprocess` or `ctypes`, and leave processes behind (unless a
+  writable cgroup holds the run: then they are killed, and memory is limited for the tree, as above).
 * Not covered anywhere: kernel exploits, CPU side channels (Spectre-style reads of the trainer's memory), timing
   and covert channels between concurrent runs, denial of service through the shared page cache or CPU, and
   mutation of arguments: the candidate works on copies, so a test that checks how a function changes its
@@ -290,7 +294,11 @@ class _Session:
             if mode.startswith("failed"):  # the kernel allowed the namespaces but not the rest: run unisolated
                 return self.load()
         self.child.send({"code": self.code})
-        return _load_report(self.child.receive())
+        try:
+            return _load_report(self.child.receive())
+        except ValueError as error:
+            self._stop()
+            raise _Crash(f"Crash: invalid report from the program ({error})") from None
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         try:
@@ -339,7 +347,7 @@ def _load_report(report: dict) -> dict:
         return {"syntax_error": str(syntax_error), "error": None, "functions": [], "values": {}}
     functions, values = report.get("functions"), report.get("values")
     if type(functions) is not list or type(values) is not dict:
-        raise _Crash("Crash: invalid report from the program")
+        raise ValueError("no functions and values")
     usable = functools.partial(_usable_name, set(dir(builtins)))
     return {"syntax_error": None, "error": str(error) if error else None,
             "functions": [name for name in functions if usable(name)],
