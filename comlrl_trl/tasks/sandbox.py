@@ -52,6 +52,7 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -471,7 +472,7 @@ def _disable_isolation(reason: str) -> None:
 def _mount_point() -> str:
     """An empty directory that each isolated child mounts its new root over, in its own mount namespace only."""
     path = tempfile.mkdtemp(prefix="comlrl-sandbox-root-")
-    atexit.register(os.rmdir, path)
+    atexit.register(shutil.rmtree, path, True)
     return path
 
 
