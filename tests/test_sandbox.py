@@ -256,6 +256,7 @@ def leak():
 
 @ISOLATED
 def test_nothing_is_written_outside_the_private_tmp(tmp_path):
+    site_packages = os.path.join(os.path.dirname(os.__file__), "site-packages")  # inside the exposed stdlib
     targets = [Path(task.__file__).with_name("planted.py"), tmp_path / "planted.txt",
                Path(os.__file__).with_name("planted.py"), Path("/tmp") / f"planted-{secrets.token_hex(4)}"]
     code = f"""
@@ -272,16 +273,19 @@ def plant(paths):
     return written
 def answer_key():
     return open({task.__file__!r}).read()
+def packages():
+    return sorted(os.listdir({site_packages!r})) if os.path.isdir({site_packages!r}) else []
 """
     outside = [str(path) for path in targets[:3]]
     try:
         result = run_python(code, [f"assert plant({outside!r}) == []", f"plant([{str(targets[3])!r}])",
-                                   "assert plant(['scratch.txt']) == ['scratch.txt']", "answer_key()"])
+                                   "assert plant(['scratch.txt']) == ['scratch.txt']", "answer_key()",
+                                   "assert packages() == []"])
         planted = [path for path in targets if path.exists()]
     finally:
         for path in targets:
             path.unlink(missing_ok=True)
-    assert result.test_passed == [True, True, True, False], result.errors
+    assert result.test_passed == [True, True, True, False, True], result.errors
     assert "FileNotFoundError" in result.errors[0]  # the task's source (its tests) is not in the sandbox's tree
     assert planted == []
 

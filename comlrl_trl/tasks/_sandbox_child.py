@@ -9,7 +9,8 @@ reads any candidate code it:
    and relays the exit status; the second is PID 1 of the new PID namespace (when it dies, the kernel kills every
    other process in it) and gets the parent-death signal SIGKILL. It builds a new root: a read-only tmpfs holding
    read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard library and a few
-   devices, a fresh /proc, and a small writable tmpfs on /tmp, its working directory. It chroots there, sets
+   devices, with empty directories over every site-packages in it (installed packages and their data are not
+   needed: the child runs with -S), a fresh /proc, and a small writable tmpfs on /tmp, its working directory. It chroots there, sets
    the resource limits and drops to the run's unprivileged uid, without supplementary groups and with
    `no_new_privs`;
 3. without `isolate`, or where the kernel refuses a new namespace (the fallback): sets the resource limits and
@@ -87,8 +88,9 @@ def enter_namespaces() -> int:
     return lifeline
 
 
-def build_root(root: str, uid: int, tmp_bytes: int) -> None:
-    """A new root file system in `root`, read-only except a tmpfs on /tmp; chroot into it."""
+def build_root(root: str, uid: int, tmp_bytes: int, hidden: list[str]) -> None:
+    """A new root file system in `root`, read-only except a tmpfs on /tmp, with `hidden` directories (and the
+    standard library's site-packages) emptied; chroot into it."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
     exposed = []
@@ -107,8 +109,13 @@ def build_root(root: str, uid: int, tmp_bytes: int) -> None:
             os.symlink(os.readlink("/" + name), f"{root}/{name}")
         else:
             expose("/" + name)
-    for path in STDLIB:
-        expose(os.path.realpath(path))
+    stdlib = [os.path.realpath(path) for path in STDLIB]
+    for path in stdlib:
+        expose(path)
+    for path in hidden + [os.path.join(path, name) for path in stdlib for name in ("site-packages", "dist-packages")]:
+        path = os.path.realpath(path)  # installed packages (maybe this one, its tests, data sets): an empty dir
+        if os.path.isdir(root + path) and not any(lib == path or lib.startswith(path + "/") for lib in stdlib):
+            _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
     os.mkdir(root + "/dev")
     for name in DEVICES:
         open(f"{root}/dev/{name}", "wb").close()
@@ -170,7 +177,7 @@ def isolate(config: dict) -> str:
             reason = f"unshare failed ({error.strerror})"
         else:
             try:
-                build_root(config["root"], config["uid"], config["tmp_bytes"])
+                build_root(config["root"], config["uid"], config["tmp_bytes"], config["hidden"])
                 set_limits(config, processes=True)
                 drop_privileges(config["uid"], lifeline)
             except OSError as error:

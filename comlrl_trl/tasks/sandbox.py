@@ -23,9 +23,9 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
 * Linux as root, with namespaces (`isolation_mode() == "namespaces"`, checked on this project's machines and
   CI): the child runs in new mount, PID, network, IPC and UTS namespaces, as an unprivileged uid of its own per
   run (random in 1,000,000-1,999,999 where the user namespace maps them, else 65534; no capabilities,
-  `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and a few devices, with a
-  fresh /proc that shows only its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an
-  empty environment. So: no network at all (only a down loopback device), no view of the
+  `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and a few devices, with
+  every package directory of this interpreter (sys.path, site-packages) emptied, a fresh /proc that shows only
+  its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no network at all (only a down loopback device), no view of the
   trainer's processes, environment or files (the repository, its tests and the datasets are not in the tree),
   nothing writable outside /tmp, and when the run ends every process of it dies with PID 1 of its namespace.
   Where a cgroup is writable (v1 memory + pids controllers, or v2 with both delegated), memory (`memory_mb`)
@@ -54,6 +54,7 @@ import random
 import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -335,7 +336,7 @@ class _Session:
             self.work = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
         work = "/" if isolate else self.work.name
         return {"isolate": isolate, "uid": _run_uid(), "root": _mount_point(), "work": work,
-                "cgroups": self.cgroup.procs_files if self.cgroup is not None else [],
+                "cgroups": self.cgroup.procs_files if self.cgroup is not None else [], "hidden": _package_dirs(),
                 "memory_bytes": int(self.memory_mb) << 20, "cpu_seconds": int(self.timeout) + 2,
                 "file_bytes": MAX_OUTPUT_BYTES, "open_files": MAX_OPEN_FILES, "processes": MAX_PROCESSES,
                 "tmp_bytes": min(int(self.memory_mb), MAX_TMP_MB) << 20}
@@ -474,6 +475,13 @@ def _mount_point() -> str:
     path = tempfile.mkdtemp(prefix="comlrl-sandbox-root-")
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+@functools.cache
+def _package_dirs() -> list[str]:
+    """This interpreter's package directories (venv, site-packages), to be empty in the child's tree."""
+    return sorted({path for path in [*sys.path, *site.getsitepackages(), site.getusersitepackages()]
+                   if os.path.isabs(path) and os.path.isdir(path)})
 
 
 @functools.cache
