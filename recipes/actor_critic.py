@@ -20,8 +20,9 @@ from typing import Literal
 
 import yaml
 from magrpo import DEMO_DEFAULTS, _as_chat, _default_model, _HelpFormatter, _load_task, _train_and_report
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
+from comlrl_trl.compat import CompatTrlParser
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 
 
@@ -63,11 +64,11 @@ def selected_algorithm(argv: list[str]) -> str:
     return "iac"
 
 
-def make_parser(algorithm: str = "iac") -> TrlParser:
+def make_parser(algorithm: str = "iac") -> CompatTrlParser:
     if algorithm not in TRAINERS:
         raise ValueError(f"--algorithm must be one of {sorted(TRAINERS)}, got {algorithm!r}.")
-    parser = TrlParser((RecipeArguments, TRAINERS[algorithm][1], ModelConfig), description=__doc__,
-                       formatter_class=_HelpFormatter)
+    parser = CompatTrlParser((RecipeArguments, TRAINERS[algorithm][1], ModelConfig), description=__doc__,
+                             formatter_class=_HelpFormatter)
     parser.set_defaults(**AC_DEFAULTS)
     return parser
 

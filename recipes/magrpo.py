@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
+from comlrl_trl.compat import CompatTrlParser
 from comlrl_trl.joint_reward import accepts_keyword
 from comlrl_trl.plotting import plot_reward_curve
 from comlrl_trl.trainers.reinforce import (
@@ -95,9 +96,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keeps the usage text above as written and shows every option's default."""
 
 
-def make_parser() -> TrlParser:
-    parser = TrlParser((RecipeArguments, MAGRPOConfig, ModelConfig), description=__doc__,
-                       formatter_class=_HelpFormatter)
+def make_parser() -> CompatTrlParser:
+    parser = CompatTrlParser((RecipeArguments, MAGRPOConfig, ModelConfig), description=__doc__,
+                             formatter_class=_HelpFormatter)
     parser.set_defaults(**DEMO_DEFAULTS)
     return parser
 

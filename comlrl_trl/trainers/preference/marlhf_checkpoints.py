@@ -157,7 +157,7 @@ class PreferenceCheckpoints:
         candidates = {"reward_func": self.task_reward.reward_func, "reward_processor": self.task_reward.reward_processor,
                       "joint_formatter": self.joint_formatter}
         objects = {f"rl_stage/{name}": obj for name, obj in self.rl_trainer._stateful_objects().items()}
-        return {**objects, **{name: obj for name, obj in candidates.items() if _is_stateful(obj)}}
+        return {**objects, **{name: obj for name, obj in candidates.items() if _is_stateful(obj, name)}}
 
     # ----- resuming -----
 

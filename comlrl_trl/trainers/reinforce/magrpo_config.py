@@ -1,12 +1,14 @@
 """Configuration of MAGRPO and its REINFORCE variants."""
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
+from ...agent_overrides import validate_agent_overrides
+from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
 
 
@@ -16,7 +18,7 @@ _DEFAULT_MAX_NEW_TOKENS = 256
 
 
 @dataclass
-class MAGRPOConfig(GRPOConfig):
+class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     r"""
     Configuration class for [`MAGRPOTrainer`]: multi-agent group relative policy optimisation.
 
@@ -75,6 +77,14 @@ class MAGRPOConfig(GRPOConfig):
             Completions per agent per device and micro-step, as in TRL. `None` means `num_generations`: one task
             item per device per micro-step.
 
+        agent_overrides (`list[dict]` or `None`, *optional*, defaults to `None`):
+            One dict per agent of per-agent settings that replace this configuration's values for that agent only
+            (`{}` keeps them): `learning_rate`/`agent_learning_rate`, `lr_scheduler_type`, `lr_scheduler_kwargs`,
+            `warmup_steps`, `weight_decay`, `adam_beta1`, `adam_beta2`, `adam_epsilon`, `temperature`, `top_p`,
+            `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`/`max_completion_length` and
+            `generation_kwargs`. Team settings (`num_generations`, `joint_mode`, `num_turns`, batch sizes, ...) are
+            refused. A JSON string is accepted on the command line.
+
         > Parameters that control evaluation and logging
 
         logging_steps (`int`, *optional*, defaults to `10`):
@@ -129,6 +139,11 @@ class MAGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": f"Max completion tokens (alias of max_completion_length, default {_DEFAULT_MAX_NEW_TOKENS})."},
     )
+    agent_overrides: list[dict[str, Any]] | str | None = field(
+        default=None,
+        metadata={"help": "One dict of per-agent settings per agent (learning_rate, lr_scheduler_type, weight_decay, "
+                          "temperature, top_p, top_k, max_new_tokens, generation_kwargs, ...); a JSON list here."},
+    )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
     )
@@ -177,6 +192,7 @@ class MAGRPOConfig(GRPOConfig):
             # TRL turns bf16 on by default, which fails on a CPU-only machine; use it only where it is supported.
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self._validate_multi_agent_fields()
+        self.agent_overrides = validate_agent_overrides(self)
         self._grpo_post_init()
 
     def _grpo_post_init(self):
@@ -198,6 +214,8 @@ class MAGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if isinstance(self.eval_interval, bool) or not isinstance(self.eval_interval, int) or self.eval_interval < 0:
             raise ValueError(f"eval_interval must be an integer >= 0 (0: manual evaluation only), got {self.eval_interval!r}.")
+        if not self.beta >= 0:
+            raise ValueError(f"beta is the KL coefficient and must be >= 0 (0: no reference model), got {self.beta!r}.")
         if self.logging_steps < 1:
             raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
         _check_choice("joint_mode", self.joint_mode, ("align", "cross"))

@@ -29,6 +29,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from ...agent_overrides import agent_config
 from ...batching import even_shard
 from ...checkpoint import (
     CHECKPOINT_VERSION,
@@ -156,13 +157,13 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         joint = JointReward(reward_func, reward_processor)
         models = [_saved_adapter_or(source) for source in sources]
         # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
-        # the Accelerate state the live trainers share.
-        follower_args = [_follower_args(args) for _ in range(n - 1)]
+        # the Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
+        follower_args = [_follower_args(args, i) for i in range(1, n)]
 
         super().__init__(
             model=models[0],
             reward_funcs=[joint_reward],
-            args=args,
+            args=agent_config(args, 0),
             train_dataset=train_dataset,
             processing_class=tokenizers[0],
             callbacks=callbacks,
@@ -199,6 +200,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self._follower_loss = [0.0] * (n - 1)
         self._follower_grad_norms = [[] for _ in range(n - 1)]
         self._setup_callbacks(wandb_config)
+        self._stateful_objects()  # a user object with only one of state_dict/load_state_dict is an error now
 
     def _build_orchestrator(self, formatters, joint: JointReward, external_transition) -> JointRolloutOrchestrator:
         return JointRolloutOrchestrator(self._team, formatters, joint, self.args, external_transition)
@@ -250,7 +252,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             **{key: getattr(args, key) for key in (
                 "num_agents", "num_turns", "num_generations", "joint_mode", "advantage_mode",
                 "advantage_normalization", "learning_rate", "num_train_epochs", "max_completion_length",
-                "temperature", "top_p", "top_k", "beta", "loss_type", "seed")},
+                "temperature", "top_p", "top_k", "beta", "loss_type", "seed", "agent_overrides")},
         }
 
     # ----- training -----
@@ -501,7 +503,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                       "eval_dataset": self.eval_dataset}
         candidates.update({f"formatter_{i}": f for i, f in enumerate(self.formatters)})
         candidates.update({f"callback_{type(c).__name__}": c for c in self.callback_handler.callbacks})
-        return {name: obj for name, obj in candidates.items() if _is_stateful(obj)}
+        return {name: obj for name, obj in candidates.items() if _is_stateful(obj, name)}
 
     def _team_state(self) -> dict[str, Any]:
         return {
@@ -651,7 +653,8 @@ class _TeamCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if args.logging_strategy == "steps":
             gap = self.trainer.env_step - self.trainer._last_logged_env_step
-            control.should_log = gap >= args.logging_steps or (args.logging_first_step and state.global_step == 1)
+            # The first step always logs, so that a run shorter than logging_steps still reports its rewards.
+            control.should_log = gap >= args.logging_steps or state.global_step == 1
         return control
 
 
@@ -745,8 +748,8 @@ def _per_agent(value, n: int, name: str) -> list:
     return [copy.deepcopy(value) for _ in range(n)]
 
 
-def _follower_args(args: MAGRPOConfig) -> MAGRPOConfig:
-    follower = copy.deepcopy(args)
+def _follower_args(args: MAGRPOConfig, index: int) -> MAGRPOConfig:
+    follower = copy.deepcopy(agent_config(args, index))
     follower.report_to = []  # only the team loop reports
     return follower
 
@@ -778,8 +781,18 @@ def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger
         raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")
 
 
-def _is_stateful(obj) -> bool:
-    if obj is None or not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+def _is_stateful(obj, name: str) -> bool:
+    """Whether a user object's state is checkpointed: it has both `state_dict` and `load_state_dict`.
+
+    One without the other is an error: its state could be saved but not restored (or the reverse), and leaving
+    it out silently would make a resumed run differ.
+    """
+    methods = [method for method in ("state_dict", "load_state_dict") if callable(getattr(obj, method, None))]
+    if len(methods) == 1:
+        missing = "load_state_dict" if methods == ["state_dict"] else "state_dict"
+        raise TypeError(f"{name} ({type(obj).__name__}) defines {methods[0]}() but not {missing}(); define both so "
+                        "that checkpoints save and restore its state, or neither to leave it out of them.")
+    if obj is None or not methods:
         return False
     # A streaming dataset's position is restored by the data loader, not by its own state.
     return not (isinstance(obj, IterableDataset) and type(obj).state_dict is IterableDataset.state_dict)
