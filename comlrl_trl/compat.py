@@ -33,8 +33,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "agent_devices": _DEVICES,
     "critic_devices": _DEVICES,
     "comparator_devices": _DEVICES,
-    "collaboration_mode": "centralised collaboration (one joint policy) is not implemented; train decentralised "
-                          "agents (see docs/migrating-from-comlrl.md)",
+    "collaboration_mode": "centralised MAGRPO is its own class: CentralizedMAGRPOTrainer with CentralizedMAGRPOConfig "
+                          "(no field needed); centralised MADPO/MARLHF are not implemented",
     "use_environment_step": "MADPO counts env_step as the joint candidates it scores, like MAGRPO; remove the field",
     "environment_steps_per_pair": "MADPO counts env_step as the joint candidates it scores, like MAGRPO; remove "
                                   "the field",

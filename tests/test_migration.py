@@ -159,3 +159,20 @@ def test_first_step_always_logs(qwen_path, prompts_dataset, make_config):
     trainer.train()
     logged = [row["env_step"] for row in trainer.state.log_history if "turn_1/reward_mean" in row]
     assert logged == [4]
+
+
+def test_compat_recipe_config_sets_comlrl_defaults(tmp_path):
+    """The CoMLRL-compatible recipe config holds CoMLRL 1.4.3's MAGRPO defaults (values from its MAGRPOConfig)."""
+    recipe = _recipe()
+    recipe_args, config, model_args = recipe.make_parser().parse_args_and_config(args=[
+        "--config", str(ROOT / "recipes" / "configs" / "comlrl_compat_smollm2.yaml"), "--output_dir", str(tmp_path)])
+    assert (config.num_train_epochs, config.learning_rate, config.num_generations, config.max_new_tokens) == (
+        20, 5e-6, 4, 256)
+    assert (config.temperature, config.top_p, config.top_k) == (0.6, 0.6, 50)
+    assert config.lr_scheduler_type == "constant" and config.weight_decay == 0.01 and config.max_grad_norm == 0
+    assert config.loss_type == "dr_grpo" and config.beta == 0.0 and not config.gradient_checkpointing
+    assert config.per_device_train_batch_size == 2 * 4 and config.steps_per_generation == 1  # 2 items per step
+    assert (config.logging_steps, config.eval_interval, config.eval_num_samples, config.eval_batch_size) == (
+        50, 16, 4, 1)
+    assert config.advantage_normalization and config.discount == 1.0 and config.joint_mode == "align"
+    assert not config.bf16 and not model_args.use_peft and not recipe_args.chat

@@ -1,6 +1,11 @@
 """The preference family: MARLHF (a learned joint reward model, then online RL), its iterative version, and MADPO
 (joint direct preference optimisation)."""
 
+from ...centralized import (
+    CentralizedComparatorAdapter,
+    CentralizedComparatorParseError,
+    TaggedCentralizedComparatorAdapter,
+)
 from .madpo_config import MADPOConfig
 from .madpo_trainer import MADPOTrainer
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
@@ -11,6 +16,8 @@ from .reward_model import JointRewardTrainer
 
 
 __all__ = [
+    "CentralizedComparatorAdapter",
+    "CentralizedComparatorParseError",
     "JointRewardTrainer",
     "MADPOConfig",
     "MADPOTrainer",
@@ -20,4 +27,5 @@ __all__ = [
     "MARLHFTrainer",
     "PreferenceConfig",
     "PreferencePair",
+    "TaggedCentralizedComparatorAdapter",
 ]
