@@ -176,3 +176,50 @@ def test_compat_recipe_config_sets_comlrl_defaults(tmp_path):
         50, 16, 4, 1)
     assert config.advantage_normalization and config.discount == 1.0 and config.joint_mode == "align"
     assert not config.bf16 and not model_args.use_peft and not recipe_args.chat
+
+
+def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_dataset, make_config):
+    """With the compat settings the gradient is CoMLRL's REINFORCE loss, -mean_k(A_k * sum_t log pi(y_kt)), divided
+    by max_completion_length (a constant that AdamW cancels). Checked at temperature 1, where both compute the
+    log-probabilities of the same distribution."""
+    import torch
+    from transformers import TrainerCallback
+
+    max_len = 6
+    captured = {}
+
+    class Check(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            model, batch = trainer.model, captured["batch"]
+            params = [p for p in model.parameters() if p.requires_grad]
+            ours = [p.grad.detach().clone() for p in params]
+            prompt_len = batch["prompt_ids"].size(1)
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_len - 1:-1].float()
+            logps = logits.log_softmax(-1).gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
+            sequence = (logps * batch["completion_mask"]).sum(1)  # CoMLRL: the summed log-probability
+            loss = -(batch["advantages"] * sequence).mean()
+            reference = torch.autograd.grad(loss, params)
+            captured["ratios"] = [(o * max_len - r).abs().max().item() / r.abs().max().item()
+                                  for o, r in zip(ours, reference) if r.abs().max() > 0]
+
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(qwen_path).eos_token_id
+    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=lambda completions: [
+        float(len(c)) for c in completions], train_dataset=prompts_dataset, callbacks=[Check()],
+        args=make_config(num_agents=1, loss_type="dr_grpo", max_grad_norm=0, temperature=1.0, max_new_tokens=max_len,
+                         per_device_train_batch_size=8, steps_per_generation=1, max_steps=1,
+                         generation_kwargs={"sequence_bias": {(eos,): 6.0}}))  # EOS often: lengths vary
+    score = trainer._generate_and_score_completions
+
+    def keep_batch(inputs):
+        captured["batch"] = score(inputs)
+        return captured["batch"]
+
+    trainer._generate_and_score_completions = keep_batch
+    trainer.train()
+    lengths = captured["batch"]["completion_mask"].sum(1).tolist()
+    assert len(set(lengths)) > 1, lengths  # else every token-normalised loss would agree
+    assert len(captured["ratios"]) > 10 and max(captured["ratios"]) < 1e-4
