@@ -161,3 +161,14 @@ def test_overrides_from_yaml_and_command_line(tmp_path):
     _, args, _ = parser.parse_args_and_config(args=[
         "--output_dir", str(tmp_path), "--agent_overrides", '[{"top_k": 20}, {"weight_decay": 0.1}]'])
     assert args.agent_overrides == [{"top_k": 20}, {"weight_decay": 0.1}]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_per_agent_optimisers_under_deepspeed_zero2(tmp_path):
+    """Without an optimizer section in the DeepSpeed config, every engine gets its agent's own optimiser."""
+    from test_distributed import run_torchrun
+
+    report = run_torchrun("deepspeed_agent_overrides.py", tmp_path, 1, zero_stage="2")
+    assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
+    assert report["changed"] == [0, report["parameters"][1]]  # agent 0 (lr 0) stays, every agent-1 tensor moves
+    assert report["lrs"] == [0.0, 0.05] and report["end_factors"] == [0.0, 1.0]  # linear vs constant
