@@ -88,7 +88,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         > Parameters that control evaluation and logging
 
         logging_steps (`int`, *optional*, defaults to `10`):
-            Minimum gap, counted in `env_step` (joint-action reward evaluations), between two training logs.
+            Minimum gap, counted in `env_step` (joint-action reward evaluations), between two training logs. The
+            first training step always logs.
         eval_interval (`int`, *optional*, defaults to `16`):
             Evaluate before task item 0 of every epoch and then every `eval_interval` training task items;
             `0` evaluates only when `evaluate()` is called.
