@@ -53,7 +53,8 @@ REMOVED_FIELDS: dict[str, str] = {
 RENAMED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
     ("joint_mode", "aligned"): ("align", ""),
     ("joint_mode", "crossed"): ("cross", " (CoMLRL 1.4.3 scored all K^N joint actions for 'crossed' but then "
-                                         "gave every agent aligned returns, a bug: results will differ)"),
+                                         "trained each agent's K completions on the first K joint returns, a bug: "
+                                         "results will differ)"),
     ("rl_algorithm", "mareforce"): ("mareinforce", ""),
 }
 _LOWER_CASE_FIELDS = ("joint_mode", "advantage_mode", "rl_algorithm", "algorithm")
