@@ -6,19 +6,36 @@ A checkpoint directory `checkpoint-N/` holds:
 - `trainer_state.json` and `rng_state*.pth`: the team loop's progress, log history and RNG, written by
   transformers' own machinery;
 - `comlrl_trl_state.pt`: the team's runtime state (env_step, per-agent trainer state, stateful user objects);
-- `comlrl_trl_checkpoint.json`: the metadata (trainer class, sequence, run id, W&B identity and the
-  compatibility fingerprint), written last: a directory without it is not a checkpoint.
+- `comlrl_trl_checkpoint.json`: the metadata (trainer class, sequence, run id, W&B identity, the
+  compatibility fingerprint with every setting that changes the result, and the manifest: the size and sha256 of
+  every other file), written last: a directory without it is not a checkpoint.
 
-Checkpoints are written into a hidden staging directory and renamed into place, so a process killed while
-saving leaves the previous checkpoints intact and no partial `checkpoint-N`.
+Checkpoints are written into a hidden staging directory, unique to the run, and renamed into place, so a process
+killed while saving leaves the previous checkpoints intact and no partial `checkpoint-N`. One live run at a time
+may write a checkpoint directory: it holds an exclusive `flock` on `.comlrl_trl.lock` there for its whole
+`train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one).
+Resuming verifies the manifest and names any missing or damaged file.
 """
 
+import contextlib
+import enum
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator
 from typing import Any
+
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
 
 
 METADATA_NAME = "comlrl_trl_checkpoint.json"
@@ -70,9 +87,185 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
-def staging_dir(root: str, name: str) -> str:
-    """The hidden directory a checkpoint is written into before it is renamed to `root/name`."""
-    return os.path.join(root, f".{name}.partial")
+LOCK_NAME = ".comlrl_trl.lock"
+_STAGING_RE = re.compile(r"^\.checkpoint-\d+\.[0-9a-f]+\.partial$")
+
+# Settings that change what a run computes. A resumed run must use the checkpoint's values (num_train_epochs and
+# max_steps may grow: they only say how long the run is).
+RESULT_SETTINGS = (
+    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm", "seed", "shuffle_dataset",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+    "num_generations", "advantage_mode", "scale_rewards", "beta", "loss_type", "epsilon", "epsilon_high",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length", "max_completion_length",
+    "discount", "early_termination_threshold", "turn_gradient_weights", "external_prompt_passthrough",
+    "critic_type", "critic_learning_rate", "value_loss_coef", "value_clip_range",
+)
+
+
+def result_settings(args, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values of `RESULT_SETTINGS` (and `extra`) that `args` has, as JSON would give them back."""
+    names = [name for name in (*RESULT_SETTINGS, *extra) if hasattr(args, name)]
+    values = {name: getattr(args, name) for name in names}
+    return json.loads(json.dumps(values, default=lambda v: v.value if isinstance(v, enum.Enum) else str(v)))
+
+
+def staging_dir(root: str, name: str, token: str) -> str:
+    """The hidden directory a checkpoint is written into before it is renamed to `root/name`; `token` is unique to
+    the run (the same on all of its processes), so two runs never share one."""
+    return os.path.join(root, f".{name}.{token}.partial")
+
+
+def new_staging_token() -> str:
+    """A token unique to this run, the same on every process (it names the run's staging directories)."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([uuid.uuid4().hex[:16]])[0]
+
+
+class RunLock:
+    """An exclusive lock on a checkpoint directory for one run's `train()`: a second live run refuses to start.
+
+    `flock` locks belong to the open file, so the operating system drops them when the process ends, however it
+    ends: a lock left by a killed run never blocks. The file records the holder's pid for the error message.
+    """
+
+    def __init__(self):
+        self._file = None
+
+    def acquire(self, root: str) -> None:
+        if fcntl is None or self._file is not None:
+            return
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, LOCK_NAME)
+        while True:
+            file = open(path, "a+")
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.seek(0)
+                holder = file.read().strip() or "unknown"
+                file.close()
+                raise RuntimeError(
+                    f"{root!r} is in use by another live training run (pid {holder}): two runs must not write the "
+                    "same checkpoint directory. Wait for it to finish, stop it, or use another checkpoint_dir / "
+                    "output_dir."
+                ) from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            file.close()  # the previous holder removed this file as we locked it: lock the new one
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        self._file, self._path = file, path
+        for name in os.listdir(root):  # staging directories of runs that died while saving
+            if _STAGING_RE.match(name):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path)  # while still holding the lock, so no other run holds a removed file
+            self._file.close()  # closing drops the flock
+            self._file = None
+
+
+def check_writable(root: str, what: str) -> None:
+    """Fail at the start of training, not at the first save, when `root` cannot be written."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".comlrl_trl_write_test.", dir=root)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise PermissionError(
+            f"{what}={root!r} is not writable ({error.strerror or error}); checkpoints could not be saved. Choose a "
+            "writable directory or fix its permissions."
+        ) from error
+
+
+@contextlib.contextmanager
+def writing_checkpoint(staging: str, final: str) -> Iterator[None]:
+    """Remove the staging directory if saving fails; say "No space left on device" when the disk is full.
+
+    PyTorch reports a full disk as `[enforce fail at inline_container.cc] unexpected pos ...`, a RuntimeError;
+    such writer errors are reported with the free space left.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        root = os.path.dirname(final)
+        disk_full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+        writer_failed = isinstance(error, RuntimeError) and ("unexpected pos" in str(error)
+                                                             or "file write failed" in str(error))
+        if not (disk_full or writer_failed):
+            raise
+        try:
+            free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise OSError(errno.ENOSPC, f"No space left on device while saving {os.path.basename(final)} into "
+                      f"{root!r} ({free}; writer error: {error}). The partial checkpoint was removed; earlier "
+                      "checkpoints are intact. Free some space (or lower checkpoint_total_limit) and resume.") from error
+
+
+MANIFEST_KEY = "manifest"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_manifest(directory: str) -> dict[str, dict[str, Any]]:
+    """`{relative path: {"size": bytes, "sha256": hex}}` for every file under `directory` but the metadata."""
+    manifest = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, directory).replace(os.sep, "/")
+            if relative != METADATA_NAME:
+                manifest[relative] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    return dict(sorted(manifest.items()))
+
+
+def write_metadata(directory: str, metadata: dict[str, Any]) -> None:
+    """Write the metadata, with the manifest of every file already in `directory`; last: it marks completion."""
+    with open(os.path.join(directory, METADATA_NAME), "w") as f:
+        json.dump({**metadata, MANIFEST_KEY: build_manifest(directory)}, f, indent=2)
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """Read the metadata and check every file of the manifest; raise naming each missing or damaged file."""
+    checkpoint = os.fspath(checkpoint)
+    metadata = read_checkpoint_metadata(checkpoint)
+    manifest = metadata.get(MANIFEST_KEY)
+    if manifest is None:
+        warnings.warn(f"{checkpoint} has no manifest (written by an older comlrl_trl): its files are not verified.",
+                      stacklevel=3)
+        return metadata
+    problems = []
+    for relative, expected in manifest.items():
+        path = os.path.join(checkpoint, *relative.split("/"))
+        if not os.path.isfile(path):
+            problems.append(f"{relative} is missing")
+        elif os.path.getsize(path) != expected["size"]:
+            problems.append(f"{relative} is damaged ({os.path.getsize(path)} bytes, expected {expected['size']})")
+        elif _sha256(path) != expected["sha256"]:
+            problems.append(f"{relative} is damaged (its sha256 differs from the one recorded when it was saved)")
+    if problems:
+        raise ValueError(f"Cannot resume from {checkpoint}: the checkpoint is not as it was saved.\n  "
+                         + "\n  ".join(problems) + "\nResume from another checkpoint-N directory.")
+    return metadata
 
 
 def commit(staging: str, final: str) -> None:
@@ -136,8 +329,10 @@ def refuse_foreign_checkpoints(root: str | None, run_id: str) -> None:
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str) -> None:
     """Refuse to resume into a different run: name every field of the fingerprint that differs."""
+    current = json.loads(json.dumps(current, default=str))  # as the checkpoint's copy was read back
     differences = [f"{key}: checkpoint has {saved.get(key)!r}, this trainer has {current[key]!r}"
                    for key in current if saved.get(key) != current[key]]
     if differences:
         raise ValueError(f"Cannot resume from {path}: the checkpoint does not match this trainer.\n  "
-                         + "\n  ".join(differences))
+                         + "\n  ".join(differences) + "\nThese settings change the result, so a resumed run must "
+                         "keep the checkpoint's values (num_train_epochs and max_steps may grow); or start a new run.")

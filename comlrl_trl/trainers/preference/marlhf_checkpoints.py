@@ -14,7 +14,6 @@ epoch; the `checkpoint_interval`-th boundaries are saved, and the last one of th
 Resuming repeats the work since the checkpoint and gives the same result as an uninterrupted run.
 """
 
-import json
 import os
 import shutil
 import uuid
@@ -28,18 +27,23 @@ from transformers.trainer_callback import TrainerCallback, TrainerState
 
 from ...checkpoint import (
     CHECKPOINT_VERSION,
-    METADATA_NAME,
     STATE_NAME,
+    RunLock,
     check_checkpoint_options,
     check_compatible,
+    check_writable,
     commit,
     latest_checkpoint,
     model_fingerprint,
+    new_staging_token,
     prune,
-    read_checkpoint_metadata,
     refuse_foreign_checkpoints,
+    result_settings,
     staging_dir,
     tokenizer_fingerprint,
+    verify_checkpoint,
+    write_metadata,
+    writing_checkpoint,
 )
 from ..reinforce.magrpo_trainer import _is_stateful
 from .pairs import load_pairs, save_pairs
@@ -60,6 +64,15 @@ class PreferenceCheckpoints:
         self._checkpoint_total_limit = total_limit
         self._sequence, self._assets = 0, None
         self._run_id = uuid.uuid4().hex
+
+    def _claim_checkpoint_dir(self) -> RunLock:
+        """Check that `checkpoint_dir` is writable and lock it for this run (one live run per directory)."""
+        self._staging_token = new_staging_token()
+        lock = RunLock()
+        if self._checkpoint_dir is not None and self.rl_trainer.args.should_save:
+            check_writable(self._checkpoint_dir, "checkpoint_dir")
+            lock.acquire(self._checkpoint_dir)
+        return lock
 
     def _check_foreign_checkpoints(self) -> None:
         refuse_foreign_checkpoints(self._checkpoint_dir, self._run_id)
@@ -83,10 +96,21 @@ class PreferenceCheckpoints:
     def _write_checkpoint(self, rl_checkpoint: str | None) -> None:
         rl, root = self.rl_trainer, self._checkpoint_dir
         name = f"checkpoint-{self._sequence}"
-        staging, final = staging_dir(root, name), os.path.join(root, name)
+        staging, final = staging_dir(root, name, self._staging_token), os.path.join(root, name)
+        with writing_checkpoint(staging, final):
+            self._write_checkpoint_files(staging, rl_checkpoint)
+        rl.accelerator.wait_for_everyone()
+        if rl.args.should_save:
+            commit(staging, final)
+            prune(root, self._checkpoint_total_limit, self._run_id)
+        rl.accelerator.wait_for_everyone()
+        self._assets = (self.iteration, os.path.join(final, "preference"))
+
+    def _write_checkpoint_files(self, staging: str, rl_checkpoint: str | None) -> None:
+        rl = self.rl_trainer
         main = rl.args.should_save
         if main:
-            shutil.rmtree(staging, ignore_errors=True)  # left over by a process killed while saving
+            shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
             if rl_checkpoint is not None:
                 os.replace(rl_checkpoint, os.path.join(staging, "rl"))
@@ -99,14 +123,9 @@ class PreferenceCheckpoints:
         Trainer._save_rng_state(rl, staging)
         if main:
             torch.save(self._progress_state(), os.path.join(staging, STATE_NAME))
-            with open(os.path.join(staging, METADATA_NAME), "w") as f:  # last: marks the checkpoint complete
-                json.dump(self._checkpoint_metadata(), f, indent=2)
-        rl.accelerator.wait_for_everyone()
+        rl.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
         if main:
-            commit(staging, final)
-            prune(root, self._checkpoint_total_limit, self._run_id)
-        rl.accelerator.wait_for_everyone()
-        self._assets = (self.iteration, os.path.join(final, "preference"))
+            write_metadata(staging, self._checkpoint_metadata())  # last: marks the checkpoint complete
 
     def _write_preference_assets(self, directory: str) -> None:
         os.makedirs(directory)
@@ -149,6 +168,9 @@ class PreferenceCheckpoints:
             **{name: getattr(args, name) for name in (
                 "rl_algorithm", "num_generations", "preference_num_candidates", "preference_pairs_per_sample",
                 "pair_selection", "reward_freeze_backbone", "reward_max_length")},
+            **result_settings(args, extra=("reward_model_name", "reward_learning_rate", "reward_train_batch_size",
+                                           "reward_center_rewards_coefficient", "reward_use_margin",
+                                           "use_separate_critic", "rl_num_iterations")),
         }
 
     def _stateful_objects(self) -> dict[str, Any]:
@@ -172,7 +194,7 @@ class PreferenceCheckpoints:
 
     def _restore(self, checkpoint: str) -> tuple[str | None, int | None]:
         """Load a checkpoint; returns the RL stage checkpoint to resume (or None) and its global step."""
-        metadata = read_checkpoint_metadata(checkpoint)
+        metadata = verify_checkpoint(checkpoint)
         check_compatible(metadata["compat"], self._compatibility(), checkpoint)
         state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
         if state["iteration"] >= self.num_iterations:

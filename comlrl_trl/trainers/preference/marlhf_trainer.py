@@ -182,6 +182,13 @@ class MARLHFTrainer(PreferenceCheckpoints):
         Returns the last RL stage's `TrainOutput`.
         """
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
+        lock = self._claim_checkpoint_dir()
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            lock.release()
+
+    def _train(self, resume_from_checkpoint):
         resume = self._resolve_resume(resume_from_checkpoint)
         rl_resume = rl_step = None
         if resume is not None:

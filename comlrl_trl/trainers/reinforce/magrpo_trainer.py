@@ -9,7 +9,6 @@ agent its scored batch; TRL's loss then runs once per agent per micro-step.
 
 import copy
 import itertools
-import json
 import math
 import os
 import shutil
@@ -33,18 +32,23 @@ from ...agent_overrides import agent_config
 from ...batching import even_shard
 from ...checkpoint import (
     CHECKPOINT_VERSION,
-    METADATA_NAME,
     STATE_NAME,
+    RunLock,
     check_checkpoint_options,
     check_compatible,
+    check_writable,
     commit,
     latest_checkpoint,
     model_fingerprint,
+    new_staging_token,
     prune,
-    read_checkpoint_metadata,
     refuse_foreign_checkpoints,
+    result_settings,
     staging_dir,
     tokenizer_fingerprint,
+    verify_checkpoint,
+    write_metadata,
+    writing_checkpoint,
 )
 from ...formatters import build_formatters
 from ...integrations.progress import TeamProgressCallback
@@ -283,13 +287,26 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 Keep only this many of this run's newest checkpoints in `checkpoint_dir`.
         """
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
-        resume = self._prepare_resume(resume_from_checkpoint)
-        output = super().train(resume_from_checkpoint=resume, trial=trial,
-                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
-            self._checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
-            self._save_checkpoint(self.model_wrapped, trial)
+        lock = self._claim_checkpoint_root()
+        try:
+            resume = self._prepare_resume(resume_from_checkpoint)
+            output = super().train(resume_from_checkpoint=resume, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
+                self._checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
+                self._save_checkpoint(self.model_wrapped, trial)
+        finally:
+            lock.release()
         return output
+
+    def _claim_checkpoint_root(self) -> RunLock:
+        """Check that the checkpoint root is writable and lock it for this run (one live run per directory)."""
+        self._staging_token = new_staging_token()
+        lock, root = RunLock(), self._checkpoint_root()
+        if root is not None and self.args.should_save:
+            check_writable(root, "checkpoint_dir" if self._checkpoint_dir is not None else "output_dir")
+            lock.acquire(root)
+        return lock
 
     def _configure_checkpoints(self, checkpoint_dir, interval, total_limit) -> None:
         check_checkpoint_options(interval, total_limit)
@@ -321,7 +338,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             resume = None
         self._resume_path = os.fspath(resume) if resume is not None else None
         if self._resume_path is not None:
-            metadata = read_checkpoint_metadata(self._resume_path)
+            metadata = verify_checkpoint(self._resume_path)
             check_compatible(metadata["compat"], self._compatibility(), self._resume_path)
             self._run_id, self._checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:
@@ -442,6 +459,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             "num_generations": self.args.num_generations,
             "joint_mode": self.args.joint_mode,
             "num_turns": self.args.num_turns,
+            **result_settings(self.args),
         }
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -449,9 +467,20 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         root = self._checkpoint_root(trial) or self._get_output_dir(trial=trial)
         sequence = self._checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
         name = f"{PREFIX_CHECKPOINT_DIR}-{sequence}"
-        staging, final = staging_dir(root, name), os.path.join(root, name)
+        staging, final = staging_dir(root, name, self._staging_token), os.path.join(root, name)
+        with writing_checkpoint(staging, final):
+            self._write_checkpoint_files(staging, sequence)
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)  # left over by a process killed while saving
+            commit(staging, final)
+            limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
+            prune(root, limit, self._run_id)
+        self.accelerator.wait_for_everyone()
+        self._last_saved_step = self.state.global_step
+
+    def _write_checkpoint_files(self, staging: str, sequence: int) -> None:
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
         self.accelerator.wait_for_everyone()
         self.store_flos()
@@ -468,15 +497,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 if isinstance(callback, ExportableState):
                     self.state.stateful_callbacks[type(callback).__name__] = callback.state()
             self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-            with open(os.path.join(staging, METADATA_NAME), "w") as f:  # last: marks the checkpoint complete
-                json.dump(self._checkpoint_metadata(sequence), f, indent=2)
-        self.accelerator.wait_for_everyone()
+        self.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
         if self.args.should_save:
-            commit(staging, final)
-            limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
-            prune(root, limit, self._run_id)
-        self.accelerator.wait_for_everyone()
-        self._last_saved_step = self.state.global_step
+            write_metadata(staging, self._checkpoint_metadata(sequence))  # last: marks the checkpoint complete
 
     def _save_extra_state(self, checkpoint: str) -> None:
         """Optimisation state beyond the agents' own (critics, ...); subclasses add theirs."""

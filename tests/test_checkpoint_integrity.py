@@ -1,0 +1,175 @@
+"""Checkpoint integrity: one live run per directory, a verified manifest, settings that must not change on resume,
+a writable directory checked up front, and a full disk that leaves no partial checkpoint."""
+
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import length_ratio_reward
+from transformers import TrainerCallback
+
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+
+ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
+
+
+def _trainer(path, make_config, epochs=1, callbacks=None, reward=length_ratio_reward, **config):
+    settings = dict(num_train_epochs=epochs, num_generations=2, max_new_tokens=6, learning_rate=0.05,
+                    lr_scheduler_type="constant")
+    settings.update(config)
+    return MAGRPOTrainer(agent_model=path, reward_func=reward, train_dataset=ITEMS, args=make_config(**settings),
+                         callbacks=callbacks)
+
+
+@pytest.fixture
+def saved(qwen_path, make_config, tmp_path):
+    """One epoch saved into `tmp_path/ckpt/checkpoint-1`."""
+    _trainer(qwen_path, make_config).train(checkpoint_dir=tmp_path / "ckpt")
+    return tmp_path / "ckpt" / "checkpoint-1"
+
+
+class _SecondRun(TrainerCallback):
+    """Starts a second run on the same checkpoint directory while the first one trains."""
+
+    def __init__(self, start):
+        self.start, self.error = start, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            try:
+                self.start()
+            except RuntimeError as error:
+                self.error = error
+
+
+def test_a_second_live_run_on_the_same_directory_refuses(qwen_path, make_config, tmp_path):
+    root = tmp_path / "ckpt"
+    second = _trainer(qwen_path, make_config)
+    probe = _SecondRun(lambda: second.train(checkpoint_dir=root))
+    first = _trainer(qwen_path, make_config, callbacks=[probe])
+    first.train(checkpoint_dir=root)
+    assert probe.error is not None and "in use by another live training run" in str(probe.error)
+    assert f"pid {os.getpid()}" in str(probe.error)
+    assert second.state.global_step == 0  # it refused before training
+    assert sorted(os.listdir(root)) == ["checkpoint-1"]  # the first run finished; its lock is gone
+    _trainer(qwen_path, make_config, epochs=2).train(resume_from_checkpoint=True, checkpoint_dir=root)
+
+
+def test_a_stale_lock_and_staging_of_a_dead_run_do_not_block_or_leak(qwen_path, make_config, tmp_path):
+    root = tmp_path / "ckpt"
+    leftover = root / ".checkpoint-1.0123456789abcdef.partial" / "agent_0"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"weights of another run")
+    (root / ".comlrl_trl.lock").write_text("999999999\n")  # a crashed run's file: no live flock on it
+    _trainer(qwen_path, make_config).train(checkpoint_dir=root)
+    assert sorted(os.listdir(root)) == ["checkpoint-1"]
+    assert (root / "checkpoint-1" / "agent_0" / "model.safetensors").stat().st_size > 1000
+
+
+def _damage(checkpoint, how):
+    if how == "swap agents":
+        os.replace(checkpoint / "agent_0", checkpoint / "tmp")
+        os.replace(checkpoint / "agent_1", checkpoint / "agent_0")
+        os.replace(checkpoint / "tmp", checkpoint / "agent_1")
+    elif how == "flip a byte":
+        path = checkpoint / "agent_0" / "model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        (checkpoint / how).unlink()
+
+
+@pytest.mark.parametrize("how, named", [
+    ("agent_1/optimizer.pt", "agent_1/optimizer.pt is missing"),
+    ("agent_0/scheduler.pt", "agent_0/scheduler.pt is missing"),
+    ("rng_state.pth", "rng_state.pth is missing"),
+    ("flip a byte", "agent_0/model.safetensors is damaged"),
+    ("swap agents", "agent_0/model.safetensors is damaged"),
+])
+def test_resume_verifies_every_file(qwen_path, make_config, saved, tmp_path, how, named):
+    copy = tmp_path / "copy" / "checkpoint-1"
+    shutil.copytree(saved, copy)
+    _damage(copy, how)
+    resumed = _trainer(qwen_path, make_config, epochs=2)
+    with pytest.raises(ValueError, match="not as it was saved") as raised:
+        resumed.train(resume_from_checkpoint=str(copy))
+    assert named in str(raised.value)
+    if how == "swap agents":
+        assert "agent_1/model.safetensors is damaged" in str(raised.value)
+    assert resumed.state.global_step == 0
+
+
+def test_resume_refuses_changed_settings_and_lists_them(qwen_path, make_config, saved):
+    changed = _trainer(qwen_path, make_config, epochs=2, learning_rate=0.01, lr_scheduler_type="linear",
+                       advantage_mode="rloo", beta=0.1, temperature=0.7, loss_type="grpo")
+    with pytest.raises(ValueError) as raised:
+        changed.train(resume_from_checkpoint=str(saved))
+    message = str(raised.value)
+    for line in ("learning_rate: checkpoint has 0.05, this trainer has 0.01",
+                 "lr_scheduler_type: checkpoint has 'constant', this trainer has 'linear'",
+                 "advantage_mode: checkpoint has 'mean', this trainer has 'rloo'",
+                 "beta: checkpoint has 0.0, this trainer has 0.1",
+                 "temperature: checkpoint has 1.0, this trainer has 0.7",
+                 "loss_type: checkpoint has 'dapo', this trainer has 'grpo'"):
+        assert line in message
+    assert "num_train_epochs and max_steps may grow" in message
+    more_epochs = _trainer(qwen_path, make_config, epochs=2)
+    more_epochs.train(resume_from_checkpoint=str(saved))
+    assert more_epochs.state.global_step == 2 * 4
+
+
+class _Calls(TrainerCallback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_training(qwen_path, make_config, tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    calls = _Calls()
+    trainer = _trainer(qwen_path, make_config, callbacks=[calls])
+    with pytest.raises(PermissionError, match="checkpoint_dir=.* is not writable"):
+        trainer.train(checkpoint_dir=tmp_path / "a_file" / "ckpt")
+    assert calls.steps == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_checkpoint_dir_fails_before_training(qwen_path, make_config, tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    root.chmod(0o555)
+    calls = _Calls()
+    with pytest.raises(PermissionError, match="not writable"):
+        _trainer(qwen_path, make_config, callbacks=[calls]).train(checkpoint_dir=root)
+    assert calls.steps == 0
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374"),  # torch.save's own
+])
+def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(qwen_path, make_config, tmp_path, monkeypatch, failure):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if "checkpoint-2" in str(f):  # the second epoch's checkpoint: the disk is full now
+            raise failure
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    root = tmp_path / "ckpt"
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        _trainer(qwen_path, make_config, epochs=2).train(checkpoint_dir=root)
+    assert raised.value.errno == errno.ENOSPC and "checkpoint-2" in str(raised.value)
+    assert sorted(os.listdir(root)) == ["checkpoint-1"]  # no partial directory, no lock left behind
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = _trainer(qwen_path, make_config, epochs=2)
+    resumed.train(resume_from_checkpoint=True, checkpoint_dir=root)
+    assert resumed.state.global_step == 2 * 4
