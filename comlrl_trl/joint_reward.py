@@ -7,6 +7,9 @@ from numbers import Real
 from typing import Any
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def accepts_keyword(func: Callable, name: str) -> bool:
     """Whether `func` takes the keyword `name` (explicitly or through `**kwargs`).
 
@@ -66,14 +69,25 @@ class JointReward:
                 )
             value = float(value)
             if self.reward_processor is not None:
-                value = float(self.reward_processor(value))
-            if not math.isfinite(value):
+                value = self._process(value, j, item, item_label)
+            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
                 raise ValueError(
                     f"reward for joint action {j} of {item_label} is {value} (after reward_processor); rewards must "
-                    f"be finite. Item: {_short(item)}"
+                    f"be finite in float32 (|r| <= {_FLOAT32_MAX:.3g}), the precision returns and advantages are "
+                    f"computed in. Clip or rescale the reward (e.g. reward_processor=RewardProcessors.scale(...)). "
+                    f"Item: {_short(item)}"
                 )
             processed.append(value)
         return processed
+
+
+    def _process(self, value: float, j: int, item: dict[str, Any], item_label: str) -> float:
+        try:
+            return float(self.reward_processor(value))
+        except Exception as error:
+            error.add_note(f"comlrl_trl: raised by reward_processor on reward {value!r} of joint action {j} of "
+                           f"{item_label}: {_short(item)}")
+            raise
 
 
 def _as_list(raw: Any, item_label: str) -> list:

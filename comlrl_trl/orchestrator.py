@@ -28,7 +28,7 @@ from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
 from .core.returns import suffix_returns, tree_returns
-from .formatters import Formatter, format_prompt
+from .formatters import Formatter, check_prompt, format_prompt
 from .joint_reward import JointReward, accepts_keyword
 
 
@@ -120,7 +120,7 @@ class JointRolloutOrchestrator:
         )
 
     def _root(self, item: dict[str, Any], label: str) -> Node:
-        prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
+        prompts = [format_prompt(formatter, item, a, label=label) for a, formatter in enumerate(self.formatters)]
         return Node(item, label, prompts, [[] for _ in self.agents], [[] for _ in self.agents])
 
     def _score_and_expand(self, nodes: list[Node], texts: list[list[str]], turn: int) -> list[Node]:
@@ -152,7 +152,8 @@ class JointRolloutOrchestrator:
         response_history = [history + [text] for history, text in zip(node.response_history, responses)]
         external = self.transition(node.item, responses, prompt_history, response_history,
                                    f"{node.item_label}, after turn {turn + 1}")
-        prompts = [format_prompt(formatter, node.item, a, external[a], self.args.external_prompt_passthrough)
+        label = f"{node.item_label}, turn {turn + 2}"
+        prompts = [format_prompt(formatter, node.item, a, external[a], self.args.external_prompt_passthrough, label)
                    for a, formatter in enumerate(self.formatters)]
         return Node(node.item, node.item_label, prompts, prompt_history, response_history)
 
@@ -176,6 +177,7 @@ class JointRolloutOrchestrator:
             if not isinstance(prompt, str):
                 raise TypeError(f"external_transition returned {type(prompt).__name__} for agent {a} on {label}; "
                                 "next-turn prompts must be strings.")
+            check_prompt(prompt, a, label, "the external_transition")
         return list(prompts)
 
     def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:

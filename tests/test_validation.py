@@ -331,7 +331,8 @@ def test_build_formatters_errors():
 def test_format_prompt_accepts_strings_and_chat_messages():
     chat = [{"role": "user", "content": "hi"}]
     assert format_prompt(lambda item: chat, {}, 0) == chat
-    assert format_prompt(lambda item: "", {}, 0) == ""
+    with pytest.raises(ValueError, match="agent 0 on task item 5 gave an empty prompt"):
+        format_prompt(lambda item: "", {}, 0, label="task item 5")
 
 
 @pytest.mark.parametrize("bad", [42, None, ["hi"], [{"role": "user", "content": "hi"}, "x"], ("hi",)])

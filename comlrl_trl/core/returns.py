@@ -12,11 +12,25 @@ so that gamma = 1 gives the undiscounted sum of rewards along a branch, averaged
 from collections.abc import Sequence
 
 
-def joint_actions_per_item(joint_actions_per_node: int, num_turns: int) -> int:
-    """Joint actions scored for one task item when every node is expanded: J + J^2 + ... + J^T."""
+def joint_actions_per_item(joint_actions_per_node: int, num_turns: int, cap: int | None = None) -> int:
+    """Joint actions scored for one task item when every node is expanded: J + J^2 + ... + J^T.
+
+    With `cap`, the count stops growing once it exceeds `cap` (the result is then some value above `cap`), so
+    that checking a bound never builds huge integers: it takes at most about log_J(cap) steps for any T.
+    """
     if joint_actions_per_node < 1 or num_turns < 1:
         raise ValueError("joint_actions_per_node and num_turns must be >= 1.")
-    return sum(joint_actions_per_node**turn for turn in range(1, num_turns + 1))
+    if joint_actions_per_node == 1:
+        return num_turns
+    if cap is None:  # closed form of the geometric series
+        return (joint_actions_per_node ** (num_turns + 1) - joint_actions_per_node) // (joint_actions_per_node - 1)
+    total, term = 0, 1
+    for _ in range(num_turns):
+        term *= joint_actions_per_node
+        total += term
+        if total > cap:
+            break
+    return total
 
 
 def tree_returns(

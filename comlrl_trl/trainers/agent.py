@@ -12,6 +12,8 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 
+from ..prompt_length import PromptTruncationMixin
+
 
 def joint_reward(prompts=None, completions=None, **kwargs):
     """Placeholder reward function of every agent trainer: rewards are joint and injected, never computed here.
@@ -21,7 +23,7 @@ def joint_reward(prompts=None, completions=None, **kwargs):
     raise RuntimeError("joint_reward is computed by the joint-rollout orchestrator and must never be called.")
 
 
-class AgentGRPOTrainer(GRPOTrainer):
+class AgentGRPOTrainer(PromptTruncationMixin, GRPOTrainer):
     """A `GRPOTrainer` for one agent of a team: generation, scoring and loss are TRL's; rewards come from outside."""
 
     # True for agents after the first: their Accelerator is not the first one of the process.

@@ -241,7 +241,7 @@ class MARLHFTrainer(PreferenceCheckpoints):
             indices, kept = even_shard(len(self.train_dataset), process, processes)
             for position, index in enumerate(indices):
                 item = self.train_dataset[index]
-                prompts = [format_prompt(formatter, item, a) for a, formatter in enumerate(self.formatters)]
+                prompts = [format_prompt(formatter, item, a, label=f"task item {index}") for a, formatter in enumerate(self.formatters)]
                 candidates = sample_candidates(rl, prompts, count)
                 if position >= kept:
                     continue  # a repeated item, sampled only to keep the processes in step

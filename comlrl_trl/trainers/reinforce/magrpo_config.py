@@ -1,5 +1,6 @@
 """Configuration of MAGRPO and its REINFORCE variants."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,6 +62,9 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             Completions per agent per task item (K). Must be at least 2 (the baseline needs a group).
         top_k (`int` or `None`, *optional*, defaults to `None`):
             Top-k filtering; `None` or `0` disables it.
+        max_prompt_length (`int` or `None`, *optional*, defaults to `512`):
+            Prompts longer than this many tokens are truncated from the left (the end is kept), with a warning, as
+            in TRL's trainers that have this option. `None`: no limit.
 
         > Parameters that control the update
 
@@ -164,6 +168,9 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         default=None, metadata={"help": "Completions per agent per device and micro-step; None: num_generations."}
     )
     top_k: int | None = field(default=None, metadata={"help": "Top-k filtering; None or 0 disables it."})
+    max_prompt_length: int | None = field(
+        default=512, metadata={"help": "Truncate longer prompts from the left (with a warning); None: no limit."}
+    )
     shuffle_dataset: bool | None = field(default=False, metadata={"help": "Reshuffle the task items every epoch."})
     save_strategy: str = field(default="no", metadata={"help": "TRL checkpoint strategy."})
     logging_nan_inf_filter: bool = field(
@@ -209,6 +216,11 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         return self.num_generations
 
     def _validate_multi_agent_fields(self):
+        if self.max_prompt_length is not None and (isinstance(self.max_prompt_length, bool)
+                                                   or not isinstance(self.max_prompt_length, int)
+                                                   or self.max_prompt_length < 1):
+            raise ValueError(f"max_prompt_length must be a positive integer or None (no limit), got "
+                             f"{self.max_prompt_length!r}.")
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -231,20 +243,27 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     def _validate_turns(self):
         if not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}.")
+        threshold = self.early_termination_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or not math.isfinite(threshold)):
+            raise ValueError(f"early_termination_threshold must be a finite number or None (always expand), got "
+                             f"{threshold!r}.")
         if self.turn_gradient_weights is not None:
             weights = list(self.turn_gradient_weights)
-            if len(weights) != self.num_turns or any(w < 0 for w in weights):
+            if len(weights) != self.num_turns or not all(math.isfinite(w) and w >= 0 for w in weights):
                 raise ValueError(
-                    f"turn_gradient_weights must hold num_turns={self.num_turns} non-negative weights, got {weights}."
+                    f"turn_gradient_weights must hold num_turns={self.num_turns} finite non-negative weights, got "
+                    f"{weights if len(weights) <= 16 else f'{len(weights)} values'}."
                 )
             self.turn_gradient_weights = [float(w) for w in weights]
         per_node = self.num_generations if self.joint_mode == "align" else self.num_generations**self.num_agents
-        needed = joint_actions_per_item(per_node, self.num_turns)
+        needed = joint_actions_per_item(per_node, self.num_turns, cap=self.max_joint_actions_per_item)
         if needed > self.max_joint_actions_per_item:
             raise ValueError(
-                f"One task item would need {needed} joint actions (J + J^2 + ... + J^T with J={per_node} joint "
-                f"actions per node in {self.joint_mode!r} mode and T={self.num_turns} turns), above "
-                f"max_joint_actions_per_item={self.max_joint_actions_per_item}. Use fewer turns or generations, "
+                f"One task item would need more than {self.max_joint_actions_per_item} joint actions "
+                f"(J + J^2 + ... + J^T with J={per_node} joint "
+                f"actions per node in {self.joint_mode!r} mode and T={self.num_turns} turns), the "
+                f"max_joint_actions_per_item. Use fewer turns or generations, "
                 "joint_mode='align', early termination, or raise max_joint_actions_per_item deliberately."
             )
 

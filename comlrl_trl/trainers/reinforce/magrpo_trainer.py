@@ -51,6 +51,7 @@ from ...checkpoint import (
     writing_checkpoint,
 )
 from ...formatters import build_formatters
+from ...inputs import check_datasets, fill_small_training_set
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
@@ -154,6 +155,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 f"(num_agents={n}) or pass the matching number of agents."
             )
         _validate_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset)
+        check_datasets(train_dataset, eval_dataset, default_formatters=formatters is None)
         validate_wandb_config(wandb_config)
         tokenizers = _resolve_tokenizers(tokenizer, sources)
         peft_configs = _per_agent(peft_config, n, "peft_config")
@@ -180,6 +182,8 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             for i in range(1, n)
         ]
         self._team = [self, *followers]
+        for index, agent in enumerate(self._team):
+            agent.agent_index = index
         self._share_frozen_base_weights()
         self.formatters = formatter_list
         self.eval_dataset = eval_dataset
@@ -345,6 +349,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             self._run_id, self._checkpoint_sequence = uuid.uuid4().hex, 0
         refuse_foreign_checkpoints(root, self._run_id)
         return self._resume_path
+
+    def _get_train_sampler(self, dataset=None):
+        return fill_small_training_set(super()._get_train_sampler(dataset))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """The team rollout. Returns agent 0's scored batch; the other agents' batches are buffered on them."""
@@ -578,7 +585,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         Every item follows one path: one response per agent per turn, with the external transition between
         turns. Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` (the discounted return from
         turn k) for every turn k, plus the custom metrics of `eval_logger`/`eval_aggregator`, or `{}` without an
-        eval_dataset. Model weights are not updated.
+        eval_dataset. An evaluation set that yields no item is a ValueError. Model weights are not updated.
         """
         if self.eval_dataset is None:
             return {}
@@ -586,6 +593,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"num_eval_samples must be a positive integer, got {count!r}.")
         items = list(itertools.islice(iter(self.eval_dataset), count))
+        if not items:
+            raise ValueError("eval_dataset yielded no evaluation items; pass a non-empty eval_dataset, or None to "
+                             "skip evaluation.")
         process, processes = self.accelerator.process_index, self.accelerator.num_processes
         indices, kept = even_shard(len(items), process, processes)  # the repeated ones' results are dropped
         sampled = [items[index] for index in indices]

@@ -1,0 +1,69 @@
+"""Checks of the datasets a trainer is given, done at construction so that bad input fails before any work."""
+
+from collections.abc import Sized
+from typing import Any
+
+import torch
+from transformers.utils import logging
+from trl.trainer.utils import RepeatSampler
+
+from .formatters import check_prompt
+
+
+logger = logging.get_logger(__name__)
+
+
+def check_datasets(train_dataset: Any, eval_dataset: Any, default_formatters: bool) -> None:
+    """An empty training or evaluation set is an error, not a run of 0 steps or a division by zero.
+
+    With the default formatters (the `prompt` field is the prompt), every item's prompt is checked here too.
+    """
+    check_not_empty(train_dataset, "train_dataset")
+    check_not_empty(eval_dataset, "eval_dataset", " Pass eval_dataset=None to train without evaluation.")
+    if default_formatters:
+        for name, dataset in (("task item", train_dataset), ("evaluation item", eval_dataset)):
+            prompts = _prompt_column(dataset)
+            for index, prompt in enumerate(prompts):
+                check_prompt(prompt, 0, f"{name} {index} (its 'prompt' field, read by the default formatter)")
+
+
+def check_not_empty(dataset: Any, name: str, hint: str = "") -> None:
+    if dataset is not None and isinstance(dataset, Sized) and len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it holds no task items.{hint}")
+
+
+def _prompt_column(dataset: Any) -> list:
+    """The `prompt` column of a map-style dataset (the default formatter reports other layouts itself)."""
+    names = getattr(dataset, "column_names", None)
+    if dataset is None or not isinstance(dataset, Sized) or not names or "prompt" not in names:
+        return []
+    return list(dataset["prompt"])
+
+
+class FilledRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` for a training set with fewer task items than one generation batch: the items are
+    repeated (in order, or in this epoch's shuffled order) to fill exactly one batch, instead of yielding nothing."""
+
+    def __iter__(self):
+        order = torch.randperm(self.num_samples, generator=self.generator).tolist() if self.shuffle \
+            else list(range(self.num_samples))
+        chunk = [order[i % self.num_samples] for i in range(self.batch_size)]
+        for _ in range(self.repeat_count):
+            for index in chunk:
+                yield from [index] * self.mini_repeat_count
+
+    def __len__(self) -> int:
+        return self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+def fill_small_training_set(sampler):
+    """`sampler` itself, or a `FilledRepeatSampler` (with a warning) when the training set cannot fill one batch."""
+    if not isinstance(sampler, RepeatSampler) or not 0 < sampler.num_samples < sampler.batch_size:
+        return sampler
+    logger.warning(
+        "train_dataset has %d task items, fewer than one generation batch (%d items: per_device_train_batch_size * "
+        "steps_per_generation * processes / num_generations); its items are repeated to fill that batch.",
+        sampler.num_samples, sampler.batch_size)
+    filled = FilledRepeatSampler.__new__(FilledRepeatSampler)
+    filled.__dict__.update(sampler.__dict__)
+    return filled
