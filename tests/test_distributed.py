@@ -73,3 +73,14 @@ def test_deepspeed_zero_actor_critic(tmp_path, stage):
     assert report["engines"] == ["DeepSpeedEngine"] * 4 and report["steps"] == [2, 2]
     assert len(report["heads"]) == 3 and all(weight > 0 for weight in report["heads"])
     assert report["value_losses"] == [2, 2]
+
+
+def test_each_process_trains_on_the_advantages_of_its_own_rewards(tmp_path):
+    """raw advantages, no normalisation: each rank's advantages equal the rewards its own items got (worked out
+    here from the script's reward 10 * item + k), not another rank's slice of the gathered advantages."""
+    report = run_torchrun("advantages_per_process.py", tmp_path, 2)
+    assert report["world"] == 2
+    for rank, seen in enumerate(report["ranks"]):
+        own = [10.0 * rank + 0, 10.0 * rank + 1, 10.0 * (rank + 2) + 0, 10.0 * (rank + 2) + 1]  # items rank, rank+2
+        assert seen["rewards"] == own, rank
+        assert seen["advantages"] == [own, own], rank  # both agents, align mode: the joint return of each row

@@ -9,7 +9,6 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from comlrl_trl.core.advantages import group_advantages
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer, MARLOOConfig, MARLOOTrainer
 
 
@@ -88,8 +87,9 @@ def test_orchestrator_advantages_follow_the_mode(qwen_path, make_config):
     rows = [{"prompt": "Say something:"}] * 4
     rollout = trainer.orchestrator.rollout(rows)
     first, second = rollout.completions
-    rewards = torch.tensor(length_ratio_reward(first, second, batch_items=rows[:1]))
-    expected = group_advantages(rewards, 4, "rloo", "none")
+    rewards = length_ratio_reward(first, second, batch_items=rows[:1])
+    # leave-one-out, no normalisation: r_i minus the mean of the other three rewards
+    expected = torch.tensor([r - (sum(rewards) - r) / 3 for r in rewards])
     for batch in rollout.agent_batches:
         torch.testing.assert_close(batch["advantages"], expected)
         # the loss never sees tokens after EOS: the mask covers exactly the generated ids

@@ -5,7 +5,6 @@ import torch
 from datasets import Dataset
 from helpers import changed, snapshot
 
-from comlrl_trl.core.advantages import group_advantages
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
@@ -92,8 +91,12 @@ def test_returns_and_advantages_follow_the_tree(qwen_path, make_config):
     turn1 = reward.calls[0][3]
     children = [call[3] for call in reward.calls[1:]]  # the two turn-2 nodes, in joint-action order
     returns_1 = torch.tensor([r + gamma * sum(c) / len(c) for r, c in zip(turn1, children)])
-    expected_turn_1 = group_advantages(returns_1, 2, "mean", "none")
-    expected_turn_2 = 0.25 * group_advantages(torch.tensor(children[0] + children[1]), 2, "mean", "none")
+    # mean baseline over a group of two, no normalisation: (a - b) / 2 and (b - a) / 2
+    def centred(a, b):
+        return [(a - b) / 2, (b - a) / 2]
+
+    expected_turn_1 = torch.tensor(centred(*returns_1.tolist()))
+    expected_turn_2 = 0.25 * torch.tensor(centred(*children[0]) + centred(*children[1]))
     for batch in rollout.agent_batches:
         assert batch["advantages"].shape == (2 + 4,)  # turn-1 rows, then the rows of both turn-2 nodes
         torch.testing.assert_close(batch["advantages"][:2], expected_turn_1)
