@@ -99,7 +99,7 @@ RESULT_SETTINGS = (
     "num_generations", "advantage_mode", "scale_rewards", "beta", "loss_type", "epsilon", "epsilon_high",
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length", "max_completion_length",
     "discount", "early_termination_threshold", "turn_gradient_weights", "external_prompt_passthrough",
-    "critic_type", "critic_learning_rate", "value_loss_coef", "value_clip_range",
+    "critic_type", "critic_learning_rate", "value_loss_coef", "value_clip_range", "agent_overrides",
 )
 
 
