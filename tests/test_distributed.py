@@ -84,3 +84,11 @@ def test_each_process_trains_on_the_advantages_of_its_own_rewards(tmp_path):
         own = [10.0 * rank + 0, 10.0 * rank + 1, 10.0 * (rank + 2) + 0, 10.0 * (rank + 2) + 1]  # items rank, rank+2
         assert seen["rewards"] == own, rank
         assert seen["advantages"] == [own, own], rank  # both agents, align mode: the joint return of each row
+
+
+def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resume(tmp_path):
+    report = run_torchrun("checkpoint_ddp.py", tmp_path, 2)
+    assert report["steps"] == [4, 4]  # one item per rank per step: 2 steps per epoch, 2 epochs (the second resumed)
+    assert {"rng_state_0.pth", "rng_state_1.pth", "agent_0/optimizer.pt", "agent_1/model.safetensors"} <= set(
+        report["files"])
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left

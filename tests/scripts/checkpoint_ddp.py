@@ -1,0 +1,39 @@
+"""Two-process MAGRPO checkpoints: one staging directory shared by the ranks, a manifest with every rank's RNG
+file, and a verified resume on both ranks."""
+
+import json
+import sys
+
+import torch.distributed as dist
+from datasets import Dataset
+
+from comlrl_trl.testing import tiny_model_path
+from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl_trl.utils import read_checkpoint_metadata
+
+
+def reward(first, second):
+    return [len(b) / (1.0 + len(a)) for a, b in zip(first, second)]
+
+
+def build(output_dir: str, epochs: int) -> MAGRPOTrainer:
+    dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
+    config = MAGRPOConfig(output_dir=output_dir, num_generations=2, max_new_tokens=4, learning_rate=0.05,
+                          lr_scheduler_type="constant", gradient_checkpointing=False, report_to="none",
+                          num_train_epochs=epochs, eval_interval=0)
+    return MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=config)
+
+
+def main(root: str) -> None:
+    build(f"{root}/out", 1).train(checkpoint_dir=f"{root}/ckpt")
+    resumed = build(f"{root}/out", 2)
+    resumed.train(resume_from_checkpoint=True, checkpoint_dir=f"{root}/ckpt")
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, resumed.state.global_step)
+    if dist.get_rank() == 0:
+        manifest = read_checkpoint_metadata(f"{root}/ckpt/checkpoint-2")["manifest"]
+        print("RESULT " + json.dumps({"steps": steps, "files": sorted(manifest)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
