@@ -173,3 +173,32 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(qwen_path, make_co
     resumed = _trainer(qwen_path, make_config, epochs=2)
     resumed.train(resume_from_checkpoint=True, checkpoint_dir=root)
     assert resumed.state.global_step == 2 * 4
+
+
+def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make_config, tmp_path):
+    from comlrl_trl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+    def build(**overrides):
+        settings = dict(config_cls=MARLHFConfig, num_generations=2, max_new_tokens=6, learning_rate=0.05,
+                        lr_scheduler_type="constant", preference_num_candidates=4, preference_pairs_per_sample=2,
+                        reward_learning_rate=1e-3, reward_num_train_epochs=1, num_train_epochs=1)
+        settings.update(overrides)
+        return MARLHFTrainer(agent_model=qwen_path, train_dataset=ITEMS, args=make_config(**settings),
+                             reward_func=lambda a, b: [float(len(y) // 8 - len(x) // 8) for x, y in zip(a, b)])
+
+    build().train(checkpoint_dir=tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no lock, no staging left
+    damaged = tmp_path / "damaged" / "checkpoint-2"
+    shutil.copytree(tmp_path / "ckpt" / "checkpoint-2", damaged)
+    (damaged / "rl" / "agent_1" / "optimizer.pt").unlink()
+    path = damaged / "preference" / "reward_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not as it was saved") as raised:
+        build(num_train_epochs=2).train(resume_from_checkpoint=str(damaged))
+    assert "preference/reward_model.safetensors is damaged" in str(raised.value)
+    assert "rl/agent_1/optimizer.pt is missing" in str(raised.value)
+    with pytest.raises(ValueError, match="reward_learning_rate: checkpoint has 0.001, this trainer has 0.01"):
+        build(num_train_epochs=2, reward_learning_rate=1e-2).train(
+            resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2"))
