@@ -100,6 +100,7 @@ RESULT_SETTINGS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length", "max_completion_length",
     "discount", "early_termination_threshold", "turn_gradient_weights", "external_prompt_passthrough",
     "critic_type", "critic_learning_rate", "value_loss_coef", "value_clip_range", "agent_overrides",
+    "dpo_beta", "use_reference_model", "pair_selection", "preference_num_candidates", "preference_pairs_per_sample",
 )
 
 

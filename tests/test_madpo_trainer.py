@@ -108,6 +108,9 @@ def test_resume_gives_the_same_weights(qwen_path, make_config, tmp_path):
         for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
             assert torch.equal(p, q), name
     assert _logged(resumed, "agent_1/dpo/loss") == _logged(straight, "agent_1/dpo/loss")
+    changed_beta = _trainer(qwen_path, make_config, config=dict(num_train_epochs=2, dpo_beta=0.2))
+    with pytest.raises(ValueError, match="dpo_beta: checkpoint has 0.5, this trainer has 0.2"):
+        changed_beta.train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"))
 
 
 @pytest.mark.parametrize("overrides, message", [
