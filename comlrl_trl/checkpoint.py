@@ -104,9 +104,9 @@ RESULT_SETTINGS = (
 )
 
 
-def result_settings(args, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The values of `RESULT_SETTINGS` (and `extra`) that `args` has, as JSON would give them back."""
-    names = [name for name in (*RESULT_SETTINGS, *extra) if hasattr(args, name)]
+def result_settings(args, extra: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values of `RESULT_SETTINGS` (and `extra`, less `exclude`) that `args` has, as JSON would give them back."""
+    names = [name for name in (*RESULT_SETTINGS, *extra) if hasattr(args, name) and name not in exclude]
     values = {name: getattr(args, name) for name in names}
     return json.loads(json.dumps(values, default=lambda v: v.value if isinstance(v, enum.Enum) else str(v)))
 

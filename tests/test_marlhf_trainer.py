@@ -1,6 +1,7 @@
 """MARLHF and iterative MARLHF on tiny offline models: pairs, the joint reward model, online RL against it,
 evaluation with the task reward, every RL algorithm, re-initialisation per iteration, checkpoints and resume."""
 
+import copy
 import json
 import math
 import os
@@ -371,6 +372,15 @@ def test_iterative_resume_matches_the_uninterrupted_run(iterative_run, qwen_path
     if checkpoint == 2:  # iteration 2's pairs were collected again: into a resume-* directory, not over the files
         with open(root / "pairs" / "resume-2" / "pairs_iteration_0002.json") as f:
             assert [PreferencePair(**row) for row in json.load(f)] == straight.preference_pairs
+
+
+def test_iterative_num_iterations_may_grow_on_resume(iterative_run, qwen_path):
+    root, straight = iterative_run
+    config = copy.deepcopy(straight.args)
+    config.num_iterations = 3  # the run had 2 preference iterations; one more is added
+    resumed = MARLHFIterTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
+    resumed.train(resume_from_checkpoint=str(root / "ckpt" / "checkpoint-4"), checkpoint_dir=root / "grown")
+    assert _logged(resumed.log_history, "iter/iteration") == [1, 2, 3]
 
 
 # ----- construction errors -----

@@ -170,7 +170,10 @@ class PreferenceCheckpoints:
                 "pair_selection", "reward_freeze_backbone", "reward_max_length")},
             **result_settings(args, extra=("reward_model_name", "reward_learning_rate", "reward_train_batch_size",
                                            "reward_center_rewards_coefficient", "reward_use_margin",
-                                           "use_separate_critic", "rl_num_iterations")),
+                                           "use_separate_critic", "rl_num_iterations"),
+                               # MARLHFIter's num_iterations counts preference iterations (GRPO's mu is
+                               # rl_num_iterations there): it may grow
+                               exclude=("num_iterations",) if hasattr(args, "rl_num_iterations") else ()),
         }
 
     def _stateful_objects(self) -> dict[str, Any]:
