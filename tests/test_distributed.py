@@ -92,3 +92,29 @@ def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resum
     assert {"rng_state_0.pth", "rng_state_1.pth", "agent_0/optimizer.pt", "agent_1/model.safetensors"} <= set(
         report["files"])
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_deepspeed_marlhf_trains_the_reward_model_with_its_own_engine(tmp_path, stage):
+    """The reward-model stage builds a second trainer beside the agents' engines: Accelerate refuses a second
+    DeepSpeed plugin, so it runs on the active one, swapped to the reward config's own (its batch size, 3)."""
+    report = run_torchrun("marlhf_deepspeed.py", tmp_path, 1, zero_stage=stage)
+    assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"] and report["engine_steps"] == [4, 4]
+    assert report["reward_engines"] == [["DeepSpeedEngine", 3]]
+    assert len(report["reward_loss"]) == 1 and 0 < report["reward_loss"][0] < 10
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", pytest.param("3", marks=pytest.mark.slow)])
+def test_deepspeed_marlhf_iter_rebuilds_engines_and_keeps_memory_flat(tmp_path, stage):
+    """Two iterations = two train() calls per agent: every agent's engine is rebuilt (agent 0's was destroyed by
+    free_memory() and reused), and no optimiser state of an earlier stage or reward model stays alive."""
+    report = run_torchrun("marlhf_deepspeed.py", tmp_path, 1, "iter", zero_stage=stage)
+    assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"] and report["engine_steps"] == [4, 4]
+    assert report["reward_engines"] == [["DeepSpeedEngine", 3]] * 2
+    first, second = report["memory"]
+    assert first == second  # flat across iterations
+    # the two agents' optimisers, plus the reward model's under ZeRO-3 (kept: its partitioned weights are scored
+    # through the engine until the next reward model replaces it)
+    assert first[0] == (2 if stage == "2" else 3)

@@ -114,6 +114,28 @@ def test_frozen_backbone_and_lora_train_only_what_they_should(qwen_path, tmp_pat
         run(load_reward_backbone(qwen_path, tokenizer, 0), peft_config=lora, freeze_backbone=True)
 
 
+def test_reward_model_is_loaded_without_a_device_map(qwen_path, monkeypatch):
+    """On CUDA, TRL's create_model_from_path defaults to device_map="auto", which Accelerate refuses for a model
+    trained under DDP or DeepSpeed (and ZeRO-3 partitions the weights itself): the reward model asks for none."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForSequenceClassification
+    from trl.trainer import utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "PartialState", lambda: SimpleNamespace(device=torch.device("cuda")))
+    seen = []
+    load = AutoModelForSequenceClassification.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs.get("device_map", "missing"))
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", classmethod(spy))
+    tokenizer = load_reward_tokenizer(qwen_path)
+    model = load_reward_backbone(qwen_path, tokenizer, seed=0)
+    assert seen == [None] and next(model.parameters()).device.type == "cpu"
+
+
 def test_reward_model_rows_and_margin():
     pair = PreferencePair(3, ["p1", "p2"], ["a", "b"], ["c", "d"], 2.0, 0.5, 1.0)
     row = pair.reward_model_row(joint_text, use_margin=True)

@@ -23,6 +23,30 @@ def joint_reward(prompts=None, completions=None, **kwargs):
     raise RuntimeError("joint_reward is computed by the joint-rollout orchestrator and must never be called.")
 
 
+# Hooks DeepSpeedEngine registers on its module that `engine.destroy()` (DeepSpeed 0.19) leaves in place.
+_ENGINE_MODULE_HOOKS = ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check")
+
+
+def release_accelerator(accelerator) -> None:
+    """Free everything `accelerator` prepared (wrapped model, optimiser state, DeepSpeed engine) between trainings.
+
+    `Accelerator.free_memory()` destroys a DeepSpeed engine, but DeepSpeed's `destroy()` leaves the engine's forward
+    hooks on the module, and ZeRO-3 leaves a reference to its optimiser on every parameter: both keep the engine and
+    its optimiser state alive as long as the model lives. They are removed first.
+    """
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        for name in _ENGINE_MODULE_HOOKS:
+            handle = getattr(wrapped.engine, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(wrapped.engine, name, None)
+        for param in wrapped.engine.module.parameters():
+            if hasattr(param, "_z3_optimizer"):  # ZeRO-3's back-reference from every parameter to its optimiser
+                del param._z3_optimizer
+    accelerator.free_memory()
+
+
 class AgentGRPOTrainer(PromptTruncationMixin, GRPOTrainer):
     """A `GRPOTrainer` for one agent of a team: generation, scoring and loss are TRL's; rewards come from outside."""
 

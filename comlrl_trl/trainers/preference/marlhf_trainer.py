@@ -21,6 +21,7 @@ from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
+from ..agent import release_accelerator
 from ..reinforce.magrpo_trainer import MAGRPOTrainer, _resolve_agent_sources
 from .marlhf_checkpoints import PreferenceCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
@@ -29,6 +30,7 @@ from .reward_model import (
     JointRewardTrainer,
     LearnedJointReward,
     RewardModelScorer,
+    active_deepspeed_plugin,
     load_reward_backbone,
     load_reward_tokenizer,
 )
@@ -272,15 +274,28 @@ class MARLHFTrainer(PreferenceCheckpoints):
         rows = [pair.reward_model_row(self.joint_formatter, self.args.reward_use_margin) for pair in pairs]
         reward_args = copy.deepcopy(self._reward_args)
         reward_args.seed = self.args.seed + iteration
-        model = self._new_reward_model(iteration)
-        trainer = JointRewardTrainer(model=model, args=reward_args, train_dataset=Dataset.from_list(rows),
-                                     processing_class=self.reward_tokenizer,
-                                     freeze_backbone=self.args.reward_freeze_backbone)
-        trainer.remove_callback(PrinterCallback)  # this trainer logs the stage's metrics itself (self.log)
-        trainer.remove_callback(ProgressCallback)
-        output = trainer.train()
+        with active_deepspeed_plugin(reward_args.deepspeed_plugin):
+            model = self._new_reward_model(iteration)
+            trainer = JointRewardTrainer(model=model, args=reward_args, train_dataset=Dataset.from_list(rows),
+                                         processing_class=self.reward_tokenizer,
+                                         freeze_backbone=self.args.reward_freeze_backbone)
+            trainer.remove_callback(PrinterCallback)  # this trainer logs the stage's metrics itself (self.log)
+            trainer.remove_callback(ProgressCallback)
+            output = trainer.train()
+            keep_engine = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+        self._release_reward_trainer()
+        if keep_engine:
+            self._reward_trainer = trainer  # ZeRO-3 weights stay partitioned: scoring needs the engine's hooks
+        else:
+            release_accelerator(trainer.accelerator)  # the model is scored as it is; its optimiser state goes
         self._set_reward_model(trainer.model)
         return output
+
+    def _release_reward_trainer(self) -> None:
+        """Free the previous reward model's engine and optimiser state (kept under ZeRO-3 for scoring)."""
+        trainer, self._reward_trainer = getattr(self, "_reward_trainer", None), None
+        if trainer is not None:
+            release_accelerator(trainer.accelerator)
 
     def _set_reward_model(self, model: PreTrainedModel) -> None:
         device = self.args.reward_model_device or self.rl_trainer.accelerator.device

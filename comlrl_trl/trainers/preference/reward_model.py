@@ -5,6 +5,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from accelerate.utils.deepspeed import get_active_deepspeed_plugin
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_utils import set_seed
 from trl import RewardTrainer
@@ -33,7 +36,9 @@ def load_reward_backbone(source: str, tokenizer: PreTrainedTokenizerBase, seed: 
     """A sequence-classification model with one output from `source` (a causal LM gets a new, seeded `score` head)."""
     set_seed(seed)  # the new head is random: seed it, as TRL's RewardTrainer does
     with suppress_seqcls_warning():
-        model = create_model_from_path(source, AutoModelForSequenceClassification, num_labels=1)
+        # No device map: TRL's default is "auto" on CUDA, which Accelerate refuses for a model trained under DDP or
+        # DeepSpeed (and ZeRO-3 partitions the weights itself). The Trainer places the model.
+        model = create_model_from_path(source, AutoModelForSequenceClassification, num_labels=1, device_map=None)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last non-pad token is scored
     return model
 
@@ -71,6 +76,34 @@ def encode_joint_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
     return encoded
 
 
+def _deepspeed_state_exists() -> bool:
+    return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+
+
+@contextlib.contextmanager
+def active_deepspeed_plugin(plugin):
+    """Make `plugin` (a `TrainingArguments.deepspeed_plugin`) the process's active DeepSpeed plugin inside the block.
+
+    The agents' Accelerator, created first, owns the process's DeepSpeed plugin, and Accelerate refuses a plugin on
+    any later Accelerator. The reward model's trainer has its own batch size, learning rate and schedule, so its
+    engine must be configured from its own plugin, not from the agents' (whose "auto" values are already filled):
+    this swaps the reward config's plugin in while its trainer is built and trained, and restores the agents' after.
+    Does nothing without DeepSpeed.
+    """
+    if plugin is None or not _deepspeed_state_exists():
+        yield
+        return
+    state = AcceleratorState()
+    previous = state.deepspeed_plugins
+    state.deepspeed_plugins = plugin
+    plugin.select(_from_accelerator_state=True)
+    try:
+        yield
+    finally:
+        state.deepspeed_plugins = previous
+        get_active_deepspeed_plugin(state).select(_from_accelerator_state=True)  # transformers' ZeRO-3 flag too
+
+
 class JointRewardTrainer(RewardTrainer):
     """
     TRL's [`~trl.RewardTrainer`] for joint responses: Bradley-Terry loss, optional `margin` column and
@@ -97,6 +130,14 @@ class JointRewardTrainer(RewardTrainer):
                          peft_config=peft_config, **kwargs)
         if freeze_backbone:
             freeze_reward_backbone(self.model)
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        # Under DeepSpeed the agents' Accelerator came first; Accelerate refuses a plugin on a second one. This
+        # trainer uses the active plugin, which MARLHF makes the reward config's own (`active_deepspeed_plugin`).
+        if _deepspeed_state_exists():
+            args["deepspeed_plugin"] = None
+        return args
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         columns = get_dataset_column_names(dataset)

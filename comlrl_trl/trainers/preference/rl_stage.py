@@ -12,6 +12,7 @@ from typing import Any
 
 from ...orchestrator import completion_text
 from ..actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+from ..agent import release_accelerator
 from ..reinforce.magrpo_trainer import MAGRPOTrainer
 from .marlhf_config import MARLHFConfig
 from .reward_model import LearnedJointReward
@@ -107,8 +108,18 @@ def build_stage_trainer(args: MARLHFConfig, stage_args, learned_reward: LearnedJ
 
 def reset_for_new_stage(trainer: MAGRPOTrainer) -> None:
     """Prepare a stage trainer that already trained for another `train()`: fresh agent optimisers and schedulers,
-    no buffered rollout, counters of the previous stage cleared (env_step keeps counting)."""
+    no buffered rollout, counters of the previous stage cleared (env_step keeps counting).
+
+    Every agent's Accelerator releases the previous stage's model wrapper, optimiser and DeepSpeed engine (Trainer
+    frees only agent 0's, when its loop starts, and leaves the engine's hooks alive), and the wrapper is dropped so that `_prepare_for_training` wraps the model
+    again: under DeepSpeed, `free_memory()` destroys the engine, and a destroyed engine left in `model_wrapped`
+    would be reused (backward then fails with no engine).
+    """
     for agent in trainer._team:
+        release_accelerator(agent.accelerator)
+        agent.model_wrapped = agent.model
+        if agent.is_deepspeed_enabled:
+            agent.deepspeed = None
         agent.optimizer, agent.lr_scheduler = None, None
         agent._step, agent._buffered_inputs = 0, None
         agent._metrics["train"].clear()
