@@ -118,3 +118,12 @@ def test_deepspeed_marlhf_iter_rebuilds_engines_and_keeps_memory_flat(tmp_path, 
     # the two agents' optimisers, plus the reward model's under ZeRO-3 (kept: its partitioned weights are scored
     # through the engine until the next reward model replaces it)
     assert first[0] == (2 if stage == "2" else 3)
+
+
+def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
+    """Rank 1's candidates all tie, so it has no preference pair: it still runs the forwards, gathers and gradient
+    all-reduce (a zero-weight placeholder pair). Skipping them hung rank 0; here both finish with equal weights."""
+    report = run_torchrun("madpo_ties.py", tmp_path, 2)
+    assert report["steps"] == 2 and report["pairs"] == [2.0, 2.0]  # the 2 pairs of rank 0's item, none on rank 1
+    assert report["same"] and report["moved"]
+    assert all(0 < loss < 10 for loss in report["losses"])

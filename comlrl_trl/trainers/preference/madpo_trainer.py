@@ -37,19 +37,23 @@ class JointDPOLoss:
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        num_pairs = inputs["others_logratio"].size(0)
-        if num_pairs == 0:  # every item of this micro-batch had tied candidates: a zero loss that keeps the graph
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        # Always a forward, also on a process whose items all tied (a zero-weight placeholder pair, see
+        # `_pair_tensors`): it joins the gradient all-reduce, ZeRO-3's parameter gathering and the metric gathers.
+        weight = inputs["pair_weight"]
+        num_pairs = weight.size(0)
         logps = sequence_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                inputs["completion_mask"])
         own = dpo_logratio(logps[:num_pairs], logps[num_pairs:]) - inputs["ref_logratio"]
-        loss = madpo_loss(own, inputs["others_logratio"], self.args.dpo_beta).mean()
+        per_pair = madpo_loss(own, inputs["others_logratio"], self.args.dpo_beta)
+        loss = (per_pair * weight).sum() / weight.sum().clamp(min=1.0)
         joint = own.detach() + inputs["others_logratio"]
-        gather = self.accelerator.gather
-        self._metrics[mode]["dpo/loss"].append(gather(loss.detach()).mean().item())
-        self._metrics[mode]["dpo/accuracy"].append(gather((joint > 0).float().mean()).mean().item())
-        self._metrics[mode]["dpo/logratio"].append(gather(own.detach().mean()).mean().item())
-        self._metrics[mode]["dpo/joint_logratio"].append(gather(joint.mean()).mean().item())
+        # Metrics over the real pairs of every process: gathered sums and counts.
+        sums = torch.stack([(per_pair.detach() * weight).sum(), ((joint > 0).float() * weight).sum(),
+                            (own.detach() * weight).sum(), (joint * weight).sum(), weight.sum()])
+        totals = self.accelerator.gather(sums[None]).sum(dim=0)
+        if totals[-1] > 0:
+            for name, total in zip(("dpo/loss", "dpo/accuracy", "dpo/logratio", "dpo/joint_logratio"), totals):
+                self._metrics[mode][name].append((total / totals[-1]).item())
         return loss / normalizer
 
 
@@ -156,11 +160,8 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
 
     def _logratios(self, agent, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Agent's policy log-ratio (chosen over rejected) with the current weights, and the reference's (or 0)."""
-        num_pairs = batch["completion_ids"].size(0) // 2
+        num_pairs = batch["pair_weight"].size(0)
         inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
-        if num_pairs == 0:
-            empty = torch.zeros(0, device=self.accelerator.device)
-            return empty, empty
         logps = sequence_logps(agent.model, *inputs)
         policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
         if not self.args.use_reference_model:
@@ -183,14 +184,18 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
 
 
 def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-    """Prompt (left-padded) and completion (right-padded) tokens of the chosen rows, then of the rejected rows."""
+    """Prompt (left-padded) and completion (right-padded) tokens of the chosen rows, then of the rejected rows, and
+    `pair_weight` (1 per pair).
+
+    Without a pair (every item of the slot tied) it holds one placeholder pair, row 0 against itself, with weight 0:
+    every process then runs the same forwards (ZeRO-3 gathers parameters inside them) and gradient all-reduce.
+    """
+    weight = [1.0] * len(pairs) if pairs else [0.0]
+    pairs = pairs or [(0, 0)]
     prompt_ids, completion_ids = rollout[0], rollout[1]
     rows = [w for w, _ in pairs] + [r for _, r in pairs]
     device = agent.accelerator.device
     pad_id = agent.processing_class.pad_token_id
-    if not rows:
-        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
-        return {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": empty, "completion_mask": empty}
     prompts = [torch.tensor(prompt_ids[r]) for r in rows]
     completions = [torch.tensor(completion_ids[r]) for r in rows]
     return {
@@ -199,4 +204,5 @@ def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, tor
         "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
         "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0,
                                padding_side="right").to(device),
+        "pair_weight": torch.tensor(weight, device=device),
     }
