@@ -257,3 +257,25 @@ def test_resume_restores_heads_critics_and_their_optimisers(qwen_path, make_conf
             assert torch.equal(p, q), name
     key = "turn_1/reward_mean"
     assert _logged(resumed, key) == _logged(straight, key) and len(_logged(straight, key)) == 4
+
+
+def test_critic_gradients_are_averaged_in_buckets_not_per_parameter():
+    """One all-reduce per bucket (same dtype, at most bucket_numel elements), each gradient back in place."""
+    from types import SimpleNamespace
+
+    from comlrl_trl.trainers.actor_critic.critics import average_gradients
+
+    calls = []
+
+    def reduce(tensor, reduction):
+        calls.append((tensor.numel(), tensor.dtype, reduction))
+        return tensor / 2  # what a mean over two processes holding these gradients and zeros would give
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in
+              [((2, 3), torch.float32), ((4,), torch.float32), ((5,), torch.float32), ((3,), torch.bfloat16)]]
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, float(i + 1))
+    average_gradients(params, SimpleNamespace(reduce=reduce), bucket_numel=10)
+    assert calls == [(10, torch.float32, "mean"), (5, torch.float32, "mean"), (3, torch.bfloat16, "mean")]
+    for i, p in enumerate(params):
+        assert torch.equal(p.grad, torch.full_like(p, (i + 1) / 2)) and p.grad.shape == p.shape

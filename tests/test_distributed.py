@@ -127,3 +127,13 @@ def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
     assert report["steps"] == 2 and report["pairs"] == [2.0, 2.0]  # the 2 pairs of rank 0's item, none on rank 1
     assert report["same"] and report["moved"]
     assert all(0 < loss < 10 for loss in report["losses"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_zero3_value_head_with_a_hidden_layer_saves_and_restores(tmp_path):
+    """ZeRO-3 partitions the actors' value heads (empty local tensors): the export holds the full trained head, and
+    restoring it gathers the parameters first (a plain load_state_dict met [0]-shaped tensors and failed)."""
+    report = run_torchrun("value_head_zero3.py", tmp_path, 1, zero_stage="3")
+    assert report["partitioned"] == [True, True] and report["nonzero"] == [True, True]
+    assert report["shapes"] == {"net.0.weight": [32, 32], "net.0.bias": [32], "net.2.weight": [1, 32], "net.2.bias": [1]}
+    assert report["saved"] == [True, True] and report["restored"] == [True, True]

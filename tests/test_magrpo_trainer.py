@@ -270,3 +270,25 @@ def test_lora_agents_share_the_frozen_base_weights(qwen_path, prompts_dataset, m
     trainer.train()
     assert all(changed(before[i], model) == set(before[i]) for i, model in enumerate(trainer.agents))
     assert all(torch.equal(first[n], second[n]) for n in frozen)
+
+
+def test_follower_step_skips_a_missing_gradient_norm():
+    """DeepSpeed's clip_grad_norm_ returns None when the engine computed no norm: the follower still steps and the
+    missing norm is left out of the logged mean (float(None) used to raise)."""
+    from types import SimpleNamespace
+
+    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+    calls = []
+    norms = iter([None, 3.0])
+    follower = SimpleNamespace(
+        _clip_grad_norm=lambda model: next(norms), model_wrapped=SimpleNamespace(zero_grad=lambda: calls.append("zero")),
+        optimizer=SimpleNamespace(step=lambda: calls.append("step")),
+        accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
+        lr_scheduler=SimpleNamespace(step=lambda: calls.append("schedule")), state=SimpleNamespace())
+    team = SimpleNamespace(_team=[None, follower], args=SimpleNamespace(max_grad_norm=1.0), _follower_grad_norms=[[]],
+                           state=SimpleNamespace(global_step=0, epoch=0.0))
+    MAGRPOTrainer._step_followers(team)
+    MAGRPOTrainer._step_followers(team)
+    assert team._follower_grad_norms == [[3.0]]
+    assert calls == ["step", "schedule", "zero"] * 2

@@ -20,17 +20,20 @@ from ...loading import load_exported_weights
 from ...value_models import (
     VALUE_HEAD_NAME,
     CausalLMWithValueHead,
-        ValueCapture,
+    ValueCapture,
     ValueHead,
     attach_value_head,
+    head_state_dict,
     hidden_size,
     last_token_values,
+    load_head_state_dict,
     value_positions,
 )
 
 
 CRITIC_OPTIMIZERS_NAME = "critic_optimizers.pt"
 _VALUE_CHUNK = 16  # rows per no-grad value forward at rollout time
+_GRAD_BUCKET_NUMEL = 2**24  # gradient elements per all-reduce of a critic (64 MB in fp32)
 
 
 def batch_inputs(batch: dict[str, Any], critic_type: str, rows: slice = slice(None)):
@@ -51,6 +54,22 @@ def batch_values(model, head, batch: dict[str, Any], critic_type: str) -> torch.
         ids, mask, index = batch_inputs(batch, critic_type, slice(start, start + _VALUE_CHUNK))
         values.append(last_token_values(model, head, ids, mask, index).float())
     return torch.cat(values)
+
+
+def average_gradients(params: list[torch.Tensor], accelerator, bucket_numel: int = _GRAD_BUCKET_NUMEL) -> None:
+    """Average the gradients of `params` over processes with one all-reduce per bucket of at most `bucket_numel`
+    elements of one dtype (as DDP's buckets), not one per parameter."""
+    bucket: list[torch.Tensor] = []
+    for p in [*params, None]:
+        full = bucket and (p is None or p.grad.dtype != bucket[0].grad.dtype
+                           or sum(q.grad.numel() for q in bucket) + p.grad.numel() > bucket_numel)
+        if full:
+            flat = accelerator.reduce(torch.cat([q.grad.reshape(-1) for q in bucket]), reduction="mean")
+            for q, grad in zip(bucket, flat.split([q.grad.numel() for q in bucket])):
+                q.grad.copy_(grad.view_as(q.grad))
+            bucket = []
+        if p is not None:
+            bucket.append(p)
 
 
 class _OwnOptimisers:
@@ -84,8 +103,7 @@ class _OwnOptimisers:
         for critic, optimizer in zip(self.critics, self.optimizers):
             params = [p for p in critic.parameters() if p.requires_grad and p.grad is not None]
             if accelerator.num_processes > 1:
-                for p in params:
-                    p.grad = accelerator.reduce(p.grad, reduction="mean")
+                average_gradients(params, accelerator)
             if self.trainer.args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.trainer.args.max_grad_norm)
             optimizer.step()
@@ -131,15 +149,15 @@ class ActorValueHeads:
 
     def save(self, output_dir: str) -> None:
         for i, agent in enumerate(self.trainer._team):
-            path = os.path.join(output_dir, f"agent_{i}")
+            state = head_state_dict(agent.model.value_head)  # on every process: ZeRO-3 gathers the head
             if self.trainer.args.should_save:
-                torch.save(agent.model.value_head.state_dict(), os.path.join(path, VALUE_HEAD_NAME))
+                torch.save(state, os.path.join(output_dir, f"agent_{i}", VALUE_HEAD_NAME))
 
     def load(self, checkpoint: str) -> None:
         for i, agent in enumerate(self.trainer._team):
             state = torch.load(os.path.join(checkpoint, f"agent_{i}", VALUE_HEAD_NAME), map_location="cpu",
                                weights_only=True)
-            agent.model.value_head.load_state_dict(state)
+            load_head_state_dict(agent.model.value_head, state)
 
 
 class SeparateCritics(_OwnOptimisers):
@@ -237,4 +255,4 @@ class JointCritic(_OwnOptimisers):
 def _load_critic(critic: CausalLMWithValueHead, path: str) -> None:
     load_exported_weights(critic.model, path)
     state = torch.load(os.path.join(path, VALUE_HEAD_NAME), map_location="cpu", weights_only=True)
-    critic.value_head.load_state_dict(state)
+    load_head_state_dict(critic.value_head, state)

@@ -407,7 +407,8 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         for i, follower in enumerate(self._team[1:]):
             if self.args.max_grad_norm > 0:
                 grad_norm = follower._clip_grad_norm(follower.model_wrapped)
-                self._follower_grad_norms[i].append(float(grad_norm))
+                if grad_norm is not None:  # DeepSpeed reports None when its engine computed no norm
+                    self._follower_grad_norms[i].append(float(grad_norm))
             follower.optimizer.step()
             if not follower.accelerator.optimizer_step_was_skipped:
                 follower.lr_scheduler.step()
