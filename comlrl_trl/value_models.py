@@ -87,6 +87,23 @@ def load_head_state_dict(head: nn.Module, state: dict[str, torch.Tensor]) -> Non
         head.load_state_dict(state)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def low_precision_trainable(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters stored in bf16/fp16: a plain AdamW step on them loses small updates (a
+    5e-6 step is below bf16's resolution for weights of magnitude ~0.01 and up)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
+
+
+def fp32_trainable(model: nn.Module) -> None:
+    """Keep fp32 master weights: store the trainable parameters in fp32 (frozen ones keep their dtype). Mixed
+    precision then comes from autocast (`bf16=True`), as for the actors."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in LOW_PRECISION:
+            p.data = p.data.float()
+
+
 def hidden_size(model) -> int:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return config.hidden_size

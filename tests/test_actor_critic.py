@@ -279,3 +279,26 @@ def test_critic_gradients_are_averaged_in_buckets_not_per_parameter():
     assert calls == [(10, torch.float32, "mean"), (5, torch.float32, "mean"), (3, torch.bfloat16, "mean")]
     for i, p in enumerate(params):
         assert torch.equal(p.grad, torch.full_like(p, (i + 1) / 2)) and p.grad.shape == p.shape
+
+
+def test_a_bf16_critic_keeps_fp32_master_weights_and_fp16_is_refused(qwen_path, make_config):
+    """A critic loaded in bf16 is stepped by its own plain AdamW: its trainable weights are stored in fp32 (bf16
+    comes from autocast), and fp16, which would need a gradient scaler for the value loss, is refused."""
+    kwargs = dict(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                  model_config={"critic_model_kwargs": {"dtype": torch.bfloat16}})
+    trainer = MAACTrainer(args=_config(make_config, MAACConfig), **kwargs)
+    critic = trainer.critics[0]
+    assert {p.dtype for p in critic.parameters() if p.requires_grad} == {torch.float32}
+    args = _config(make_config, MAACConfig)
+    args.fp16 = True  # a CPU config cannot ask for fp16 itself; the check is the trainer's
+    with pytest.raises(ValueError, match="fp16=True is not supported with critics that have their own optimisers"):
+        MAACTrainer(args=args, **kwargs)
+
+
+def test_bf16_actor_weights_without_deepspeed_warn(qwen_path, make_config):
+    """Full fine-tuning of weights stored in bf16 without DeepSpeed is pure-bf16 AdamW: a warning says so."""
+    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+    with pytest.warns(UserWarning, match=r"Agent 0 trains \d+ parameters stored in torch.bfloat16 without DeepSpeed"):
+        MAGRPOTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                      args=make_config(model_init_kwargs={"dtype": "bfloat16"}))

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 
 from ...core.values import value_loss
 from ...loading import load_causal_lm
-from ...value_models import CausalLMWithValueHead, value_positions
+from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
 from ..agent import FollowerGRPOTrainer
 from ..reinforce.magrpo_trainer import MAGRPOTrainer, _model_name
 from .ac_config import ActorCriticConfig
@@ -144,6 +144,7 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
                 f"{label} has {vocab} token embeddings but its tokenizer has {len(tokenizer)} tokens; a critic must "
                 "accept the token ids it is fed (use a critic from the same model family as its actor)."
             )
+        fp32_trainable(model)  # the critic's own AdamW steps fp32 master weights; bf16 comes from autocast
         return CausalLMWithValueHead(model.to(self.accelerator.device), hidden_dim)
 
     # ----- training -----

@@ -76,6 +76,13 @@ class _OwnOptimisers:
     """Critics with optimisers of their own: gradients averaged over processes, clipped, stepped."""
 
     def __init__(self, trainer, critics: list[CausalLMWithValueHead]):
+        if trainer.args.fp16:
+            raise ValueError(
+                "fp16=True is not supported with critics that have their own optimisers (IAC with "
+                "use_separate_critic=True, MAAC): their value losses have no gradient scaler, so fp16 gradients "
+                "underflow. Use bf16=True, or IAC with use_separate_critic=False (heads on the actors, which use "
+                "the actors' scaler)."
+            )
         self.trainer = trainer
         self.critics = critics
         args = trainer.args

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -57,6 +58,7 @@ from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbo
 from ...joint_reward import JointReward
 from ...loading import load_saved_adapter
 from ...orchestrator import JointRolloutOrchestrator
+from ...value_models import low_precision_trainable
 from ..agent import AgentGRPOTrainer, FollowerGRPOTrainer, joint_reward
 from .magrpo_config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 
@@ -184,6 +186,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         self._team = [self, *followers]
         for index, agent in enumerate(self._team):
             agent.agent_index = index
+        _warn_low_precision_weights(self._team, self.is_deepspeed_enabled)
         self._share_frozen_base_weights()
         self.formatters = formatter_list
         self.eval_dataset = eval_dataset
@@ -813,6 +816,24 @@ def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger
         raise ValueError("use_vllm is not supported by multi-agent trainers yet (one vLLM engine per agent).")
     if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
         raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")
+
+
+def _warn_low_precision_weights(team, deepspeed: bool) -> None:
+    """Warn when an agent trains weights stored in bf16/fp16 without DeepSpeed (whose optimiser keeps fp32 master
+    weights): AdamW then updates in that precision and small steps vanish."""
+    if deepspeed:
+        return
+    for agent in team:
+        names = low_precision_trainable(agent.model)
+        if names:
+            dtype = dict(agent.model.named_parameters())[names[0]].dtype
+            warnings.warn(
+                f"Agent {agent.agent_index} trains {len(names)} parameters stored in {dtype} without DeepSpeed: "
+                "AdamW then updates in that precision and small steps (e.g. lr 5e-6) are lost. Load the weights in "
+                "float32 (model_init_kwargs={'dtype': 'float32'}, the default) and keep bf16=True for mixed "
+                "precision, use LoRA, or launch with a DeepSpeed config (fp32 master weights).",
+                stacklevel=3,
+            )
 
 
 def _is_stateful(obj, name: str) -> bool:
