@@ -1,15 +1,16 @@
-"""GPU variant of the benchmark: generation tokens/s and time per step on a random-weight 0.5B-size model, bf16.
+"""GPU variant of the benchmark: generation tokens/s (over generation time only) and time per step on a
+random-weight 0.5B-size model, fp32 weights with bf16 autocast.
 
     python benchmarks/gpu.py [--agents 2] [--k 8] [--tokens 128] [--items 16] [--lora]
 
 Builds a Llama-style model with Qwen2.5-0.5B's layer sizes and the SmolLM2 tokenizer (random weights; nothing is
-downloaded), then trains a team of agents for one epoch on one GPU and prints one JSON line with the numbers.
+downloaded), then trains a team of agents for one epoch on one GPU and prints one JSON line with the numbers,
+labelled with what ran: full or LoRA training, the weights' dtype, the autocast precision and the launcher.
 Run it under each launch config with `scripts/gpu_smoke.sh`. It needs a CUDA device.
 """
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -75,19 +76,46 @@ def main() -> None:
     trainer = MAGRPOTrainer(agent_model=model_dir, num_agents=args.agents, train_dataset=dataset, args=config,
                             reward_func=lambda *lists: [float(sum(map(len, joint)) % 7) for joint in zip(*lists)],
                             peft_config=lora, callbacks=[Clock()])
+    generation = {"seconds": 0.0, "tokens": 0}
+    for agent in trainer._team:
+        agent._generate = _timed_generate(agent._generate, generation, torch)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
     steady = (steps[-1] - steps[0]) / (len(steps) - 1) if len(steps) > 1 else total
-    generated = args.items * args.k * args.tokens * args.agents
+    accelerator = trainer.accelerator
+    launcher = str(accelerator.distributed_type).split(".")[-1]
+    if accelerator.state.deepspeed_plugin is not None:
+        launcher += f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
     print("RESULT " + json.dumps({
         "gpu": torch.cuda.get_device_name(), "agents": args.agents, "k": args.k, "tokens": args.tokens,
-        "lora": args.lora, "seconds": total, "seconds_per_step": steady, "generated_tokens_per_s": generated / total,
+        "training": "lora" if args.lora else "full",
+        # what actually ran: the weights' storage dtype and the autocast precision (bf16 over fp32 weights is
+        # mixed precision, not a bf16 model)
+        "weights_dtype": str(next(trainer.agents[0].parameters()).dtype).replace("torch.", ""),
+        "mixed_precision": "bf16" if config.bf16 else ("fp16" if config.fp16 else "no"),
+        "launcher": f"{launcher}, {accelerator.num_processes} process(es)",
+        "seconds": total, "seconds_per_step": steady,
+        "generation_seconds": generation["seconds"], "generated_tokens": generation["tokens"],
+        "generated_tokens_per_s": generation["tokens"] / generation["seconds"] if generation["seconds"] else None,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
-        "launcher": os.environ.get("ACCELERATE_DISTRIBUTED_TYPE", "plain"),
     }))
 
+
+def _timed_generate(generate, totals: dict, torch):
+    """Wrap an agent's `_generate`: add its wall time (CUDA synchronised) and its completion tokens to `totals`."""
+
+    def timed(prompts):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        rollout = generate(prompts)
+        torch.cuda.synchronize()
+        totals["seconds"] += time.perf_counter() - start
+        totals["tokens"] += sum(len(ids) for ids in rollout[1])  # completion token ids per row
+        return rollout
+
+    return timed
 
 if __name__ == "__main__":
     main()

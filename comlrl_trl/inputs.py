@@ -57,8 +57,22 @@ class FilledRepeatSampler(RepeatSampler):
 
 
 def fill_small_training_set(sampler):
-    """`sampler` itself, or a `FilledRepeatSampler` (with a warning) when the training set cannot fill one batch."""
-    if not isinstance(sampler, RepeatSampler) or not 0 < sampler.num_samples < sampler.batch_size:
+    """`sampler` itself, or a `FilledRepeatSampler` (with a warning) when the training set cannot fill one batch.
+
+    TRL's sampler yields whole generation batches only: a remainder of items is left out of every epoch (the same
+    items without `shuffle_dataset=True`), which is worth a warning on many processes with small data sets.
+    """
+    if not isinstance(sampler, RepeatSampler):
+        return sampler
+    left_out = sampler.num_samples % sampler.batch_size
+    if sampler.num_samples > sampler.batch_size and left_out:
+        logger.warning(
+            "train_dataset has %d task items and a generation batch takes %d, so %d items are left out of every "
+            "epoch (%s). Use a number of items divisible by per_device_train_batch_size * steps_per_generation * "
+            "processes / num_generations, or fewer processes.", sampler.num_samples, sampler.batch_size, left_out,
+            "other items each epoch, shuffle_dataset=True" if sampler.shuffle else
+            "always the last ones: shuffle_dataset=True varies them")
+    if not 0 < sampler.num_samples < sampler.batch_size:
         return sampler
     logger.warning(
         "train_dataset has %d task items, fewer than one generation batch (%d items: per_device_train_batch_size * "

@@ -265,3 +265,28 @@ def test_reward_processors():
     assert RewardProcessors.shift()(1.25) == 1.25
     combined = RewardProcessors.shift(1.0)(RewardProcessors.scale(2.0)(0.25))
     assert combined == 1.5
+
+
+@pytest.mark.parametrize("env, nvidia_smi, warns", [
+    ({"CUDA_VISIBLE_DEVICES": "0"}, None, True),
+    ({}, "/usr/bin/nvidia-smi", True),
+    ({"CUDA_VISIBLE_DEVICES": ""}, None, False),
+    ({}, None, False),
+])
+def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tmp_path, env, nvidia_smi, warns):
+    """A CPU build of torch on a GPU machine would silently train on the CPU: the config says so."""
+    import shutil
+    import warnings
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(shutil, "which", lambda name: nvidia_smi if name == "nvidia-smi" else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = MAGRPOConfig(output_dir=str(tmp_path), report_to="none")
+    messages = [str(w.message) for w in caught if "sees no GPU" in str(w.message)]
+    assert config.use_cpu
+    assert len(messages) == (1 if warns else 0)
+    if warns:
+        assert "CPU-only build" in messages[0] and "make install TORCH=" in messages[0]

@@ -137,3 +137,12 @@ def test_zero3_value_head_with_a_hidden_layer_saves_and_restores(tmp_path):
     assert report["partitioned"] == [True, True] and report["nonzero"] == [True, True]
     assert report["shapes"] == {"net.0.weight": [32, 32], "net.0.bias": [32], "net.2.weight": [1, 32], "net.2.bias": [1]}
     assert report["saved"] == [True, True] and report["restored"] == [True, True]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", pytest.param("3", marks=pytest.mark.slow)])
+def test_deepspeed_madpo_single_process(tmp_path, stage):
+    """MADPO's pair forwards (no-grad log-ratios, then the loss) inside the agents' DeepSpeed engines."""
+    report = run_torchrun("madpo_ties.py", tmp_path, 1, zero_stage=stage)
+    assert report["steps"] == 4 and report["pairs"] == [2.0] * 4 and report["moved"]
+    assert all(0 < loss < 10 for loss in report["losses"])

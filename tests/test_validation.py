@@ -466,3 +466,23 @@ def test_constructor_type_checks():
         JointReward("not callable")
     with pytest.raises(TypeError, match="reward_processor"):
         JointReward(lambda a, b: [0.0], reward_processor=3)
+
+
+@pytest.mark.parametrize("items, shuffle, left_out", [(12, False, 4), (12, True, 4), (16, False, 0), (9, False, 1)])
+def test_a_training_set_that_leaves_items_out_of_every_epoch_warns(caplog, items, shuffle, left_out):
+    """TRL's sampler yields whole generation batches (here 8 items: 8 processes with one item each): 12 items make
+    one batch per epoch and the remaining 4 are never trained on without shuffling."""
+    from trl.trainer.utils import RepeatSampler
+
+    from comlrl_trl.inputs import fill_small_training_set
+
+    sampler = RepeatSampler(list(range(items)), mini_repeat_count=4, batch_size=8, shuffle=shuffle, seed=0)
+    with caplog.at_level("WARNING", logger="comlrl_trl.inputs"):
+        assert fill_small_training_set(sampler) is sampler
+    warnings = [r.getMessage() for r in caplog.records if "left out of every epoch" in r.getMessage()]
+    assert len(warnings) == (1 if left_out else 0)
+    if left_out:
+        assert f"{items} task items and a generation batch takes 8, so {left_out} items" in warnings[0]
+        assert ("shuffle_dataset=True varies them" in warnings[0]) == (not shuffle)
+        batches = len(list(sampler)) // 4 // 8
+        assert batches * 8 == items - left_out  # what the sampler really yields per epoch

@@ -1,7 +1,7 @@
 """MADPO on two processes (gloo) where every candidate on rank 1 ties: rank 1 has no preference pair, yet it must
 join every forward, gather and gradient all-reduce, and both ranks must end with the same weights.
 
-Run with: torchrun --nproc_per_node 2 ... <output_dir> [zero3]
+Run with: torchrun --nproc_per_node 2 ... <output_dir>  (one process, e.g. under DeepSpeed, is plain MADPO)
 """
 
 import json
@@ -37,7 +37,7 @@ def main(output_dir: str) -> None:
     dist.all_gather_object(gathered, rank)
     losses = [row["agent_0/dpo/loss"] for row in trainer.state.log_history if "agent_0/dpo/loss" in row]
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"same": gathered[0] == gathered[1], "moved": gathered[0] != start,
+        print("RESULT " + json.dumps({"same": all(g == gathered[0] for g in gathered), "moved": gathered[0] != start,
                                       "steps": trainer.state.global_step, "losses": losses,
                                       "pairs": [r["preference/pairs"] for r in trainer.state.log_history
                                                 if "preference/pairs" in r]}))

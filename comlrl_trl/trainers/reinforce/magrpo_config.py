@@ -1,6 +1,9 @@
 """Configuration of MAGRPO and its REINFORCE variants."""
 
 import math
+import os
+import shutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -193,6 +196,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         if self.per_device_train_batch_size is None:
             self.per_device_train_batch_size = self._default_batch_size()
         if not self.use_cpu and not torch.accelerator.is_available():
+            warn_if_cuda_expected()
             # Without an accelerator, Accelerate only forms a multi-process CPU group (gloo) when told it runs on
             # the CPU; otherwise every torchrun rank would silently train alone on the full data.
             self.use_cpu = True
@@ -337,3 +341,28 @@ def _merge_normalization(advantage_normalization, scale_rewards):
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}.")
+
+
+def cuda_expected() -> str | None:
+    """Why this machine looks like it has an NVIDIA GPU (`nvidia-smi` on the PATH, `CUDA_VISIBLE_DEVICES` naming a
+    device), or None."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in (None, "", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r}"
+    if shutil.which("nvidia-smi") is not None:
+        return "nvidia-smi is installed"
+    return None
+
+
+def warn_if_cuda_expected() -> None:
+    """Warn when a GPU seems present but torch cannot use it (a CPU build of torch, typically): training would
+    silently run on the CPU."""
+    reason = cuda_expected()
+    if reason is not None:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        warnings.warn(
+            f"{reason}, but torch {torch.__version__} ({build}) sees no GPU, so training runs on the CPU. Install a "
+            "CUDA build of torch (README, 'GPU install': make install TORCH=...), or hide the GPU "
+            "(CUDA_VISIBLE_DEVICES=\"\") to train on the CPU on purpose.",
+            stacklevel=3,
+        )
