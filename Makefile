@@ -3,6 +3,8 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# GPU machines: make install-demo TORCH="torch==2.13.0+cu128 --extra-index-url <PyTorch's CUDA wheel index>"
+# (an extra index: the same string also goes to the second pip command, which installs everything else).
 TORCH ?= torch==2.13.0
 
 export HF_HUB_OFFLINE := 1
