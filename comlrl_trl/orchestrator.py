@@ -257,12 +257,17 @@ class JointRolloutOrchestrator:
 
 @torch.no_grad()
 def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
-    """(sum, count) over completion tokens of TRL's k3 estimate of KL(policy || reference) at rollout time."""
+    """(sum, count) over completion tokens of TRL's k3 estimate of KL(policy || reference) at rollout time.
+
+    The forward runs in chunks of `per_device_train_batch_size` rows (as TRL's own old/reference log-probs): one
+    forward over a turn's rows would hold rows x tokens x vocabulary logits at once.
+    """
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs):
         logps, _, _ = agent._get_per_token_logps_and_entropies(
-            agent.model, input_ids, attention_mask, batch["completion_ids"].size(1))
+            agent.model, input_ids, attention_mask, batch["completion_ids"].size(1),
+            batch_size=agent.args.per_device_train_batch_size)
     delta = batch["ref_per_token_logps"] - logps
     per_token = torch.exp(delta) - delta - 1  # k3 estimator, as in TRL's loss
     mask = batch["completion_mask"].to(per_token.dtype)

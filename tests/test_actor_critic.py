@@ -302,3 +302,16 @@ def test_bf16_actor_weights_without_deepspeed_warn(qwen_path, make_config):
     with pytest.warns(UserWarning, match=r"Agent 0 trains \d+ parameters stored in torch.bfloat16 without DeepSpeed"):
         MAGRPOTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
                       args=make_config(model_init_kwargs={"dtype": "bfloat16"}))
+
+
+def test_joint_critic_input_is_truncated_from_the_left(qwen_path, make_config):
+    """The centralised critic reads the joint text of every agent: at most num_agents * max_prompt_length tokens
+    for a V critic, cut from the left so that the last token, where the value is read, stays."""
+    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
+                          args=_config(make_config, MAACConfig, max_prompt_length=4))
+    critic_set = trainer.critic_set
+    long_text = "Item 1: say something long enough " * 4
+    full = critic_set.tokenizer(long_text, add_special_tokens=False)["input_ids"]
+    ids, mask, index = critic_set._encode([long_text, "hi"])
+    assert ids.shape[1] == 8 and ids[0].tolist() == full[-8:] and mask[0].all()
+    assert index.tolist() == [7, 7]

@@ -131,3 +131,23 @@ def test_micro_batches_hold_whole_items(qwen_path, make_config):
         _trainer(qwen_path, make_config, config=dict(per_device_train_batch_size=2, steps_per_generation=2))
     with pytest.raises(TypeError, match="args must be a MADPOConfig"):
         MADPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=ITEMS, args=make_config())
+
+
+def test_sequence_logps_in_chunks_match_one_forward(qwen_path):
+    """The no-grad log-ratio passes forward a micro-batch's rows at a time; the numbers are those of one forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_path).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(0, model.config.vocab_size, (5, 3), generator=generator)
+    completion_ids = torch.randint(0, model.config.vocab_size, (5, 4), generator=generator)
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1], [1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with torch.no_grad():
+        whole = sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        chunked = sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk=2)
+    hook.remove()
+    assert len(calls) == 1 + 3
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)

@@ -292,3 +292,35 @@ def test_follower_step_skips_a_missing_gradient_norm():
     MAGRPOTrainer._step_followers(team)
     assert team._follower_grad_norms == [[3.0]]
     assert calls == ["step", "schedule", "zero"] * 2
+
+
+def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_config, prompts_dataset):
+    """The rollout-time KL statistic forwards per_device_train_batch_size rows at a time (not a whole turn's rows
+    at once) and gives the k3 sum of one plain forward, worked out here from the model's logits."""
+    from comlrl_trl.orchestrator import reference_kl_stats
+
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
+                            args=make_config(num_generations=2, per_device_train_batch_size=2, temperature=1.0))
+    agent = trainer._team[0]
+    generator = torch.Generator().manual_seed(0)
+    rows, prompt_len, completion_len = 5, 3, 4
+    vocab = agent.model.config.vocab_size
+    prompt_ids = torch.randint(0, vocab, (rows, prompt_len), generator=generator)
+    completion_ids = torch.randint(0, vocab, (rows, completion_len), generator=generator)
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+             "completion_mask": completion_mask,
+             "ref_per_token_logps": -6.0 + 0.5 * torch.randn(rows, completion_len, generator=generator)}
+    calls = []
+    hook = agent.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    stats = reference_kl_stats(agent, batch)
+    hook.remove()
+    assert len(calls) == 3  # 5 rows in chunks of 2
+    with torch.no_grad():
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        logits = agent.model(input_ids=input_ids).logits[:, prompt_len - 1:-1].float()
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    delta = batch["ref_per_token_logps"] - logps
+    expected = ((torch.exp(delta) - delta - 1) * completion_mask).sum()
+    assert stats[1].item() == 4 + 2 + 1 + 3 + 4
+    torch.testing.assert_close(stats[0], expected, rtol=1e-4, atol=1e-4)

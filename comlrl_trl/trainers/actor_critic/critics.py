@@ -211,10 +211,22 @@ class JointCritic(_OwnOptimisers):
                            [agent_texts[row] for agent_texts in texts] if completions else None)
                 for row in range(len(prompts[0]))]
 
+    def _max_length(self) -> int | None:
+        """Tokens of a joint text: every agent's prompt (`max_prompt_length`) and, for a Q critic, response.
+        None without `max_prompt_length` (no limit)."""
+        args, agents = self.trainer.args, len(self.trainer._team)
+        if args.max_prompt_length is None:
+            return None
+        responses = args.max_completion_length if args.critic_type == "q" else 0
+        return agents * (args.max_prompt_length + responses)
+
     def _encode(self, texts: list[str]):
         device = self.critics[0].device
-        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                                 add_special_tokens=False)
+        limit = self._max_length()
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if limit is not None:
+            ids = [row[-limit:] for row in ids]  # from the left: the value is read at the last token
+        encoded = self.tokenizer.pad({"input_ids": ids}, padding=True, padding_side="left", return_tensors="pt")
         ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
         return ids, mask, torch.full((ids.size(0),), ids.size(1) - 1, dtype=torch.long, device=device)
 

@@ -21,8 +21,18 @@ from .madpo_config import MADPOConfig
 from .pairs import pair_rng
 
 
-def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1)."""
+def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                   chunk: int | None = None) -> torch.Tensor:
+    """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1).
+
+    `chunk`: forward at most this many rows at a time (for no-grad passes: the logits of all rows at once are
+    rows x tokens x vocabulary floats).
+    """
+    rows = prompt_ids.size(0)
+    if chunk is not None and rows > chunk:
+        return torch.cat([sequence_logps(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
+                                         completion_ids[i:i + chunk], completion_mask[i:i + chunk])
+                          for i in range(0, rows, chunk)])
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.size(1)
@@ -161,7 +171,8 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
     def _logratios(self, agent, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Agent's policy log-ratio (chosen over rejected) with the current weights, and the reference's (or 0)."""
         num_pairs = batch["pair_weight"].size(0)
-        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+                  agent.args.per_device_train_batch_size)  # no-grad forwards in chunks of a micro-batch's rows
         logps = sequence_logps(agent.model, *inputs)
         policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
         if not self.args.use_reference_model:
