@@ -34,25 +34,28 @@ formatters put the problem statement and the agent's role in front of it. Keep t
                             eval_aggregator=task.eval_aggregator, args=MAGRPOConfig(num_turns=2, ...))
 """
 
-import ast
 import functools
-import os
-import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from datasets import Dataset
 
+from .coding import (
+    HELPER_NAME,
+    STRUCTURE_BONUS,
+    check_two_agents,
+    extract_code,
+    joint_program,
+    revision_prompts,
+    run_parallel,
+    structure_bonus,
+    with_feedback,
+)
 from .sandbox import SandboxResult, run_python
 
 
-HELPER_NAME = "aux"
 SANDBOX_TIMEOUT = 2.0  # seconds per joint program
-STRUCTURE_BONUS = 0.1  # for defining the entry point, and again for calling the helper
 MAX_REWARD = 1.0 + 2 * STRUCTURE_BONUS
-MAX_FEEDBACK_ERRORS = 3  # failing tests shown in a revision prompt
-MAX_FEEDBACK_CODE_CHARS = 600  # each code listing in a revision prompt is cut to this length
 
 # (entry_point, prompt, helper_hint, tests)
 _PROBLEMS: list[tuple[str, str, str, list[str]]] = [
@@ -156,7 +159,7 @@ def helper_formatter(item: dict[str, Any], external_prompts: str | None = None) 
     head = (f"You write the helper function of a two-agent Python team.\nProblem: {item['prompt']}\n"
             f"Write only the helper: {item['helper_hint']}. Your teammate writes `{item['entry_point']}` and calls "
             f"`{HELPER_NAME}`.")
-    return _with_feedback(head, external_prompts)
+    return with_feedback(head, external_prompts)
 
 
 def main_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
@@ -164,7 +167,7 @@ def main_formatter(item: dict[str, Any], external_prompts: str | None = None) ->
     head = (f"You write the main function of a two-agent Python team.\nProblem: {item['prompt']}\n"
             f"Your teammate writes the helper: {item['helper_hint']}. Write `{item['entry_point']}` and call "
             f"`{HELPER_NAME}` instead of repeating its work; do not define `{HELPER_NAME}` yourself.")
-    return _with_feedback(head, external_prompts)
+    return with_feedback(head, external_prompts)
 
 
 def formatters() -> list[Callable[..., str]]:
@@ -172,79 +175,7 @@ def formatters() -> list[Callable[..., str]]:
     return [helper_formatter, main_formatter]
 
 
-def _with_feedback(head: str, feedback: str | None) -> str:
-    parts = [head] if feedback is None else [head, feedback.strip()]
-    return "\n\n".join(parts) + "\nAnswer with Python code only.\n"
-
-
-# ----- code extraction -----
-
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]", re.MULTILINE)
-_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+\w|from[ \t]+[\w.]+[ \t]+import[ \t])")
-
-
-def extract_code(completion: str) -> str:
-    """The Python code in a model's completion: `""` when it defines no function.
-
-    Markdown fences are stripped (the first fenced block that contains a `def`, else the first block; a block
-    may be unterminated), then the text from the first line starting with `def` is kept, together with the
-    import lines right above it. Trailing lines that keep the code from parsing (prose after the code, a cut-off
-    last statement) are dropped; if no prefix parses, the text is returned as is and the sandbox reports the
-    syntax error.
-    """
-    text = completion.replace("\r\n", "\n")
-    blocks = _FENCE.findall(text)
-    if blocks:
-        text = next((block for block in blocks if _DEF.search(block)), blocks[0])
-    match = _DEF.search(text)
-    if match is None:
-        return ""
-    lines = text[:match.start()].split("\n")[:-1]
-    start = len(lines)
-    while start > 0 and (_IMPORT.match(lines[start - 1]) or not lines[start - 1].strip()):
-        start -= 1
-    imports = [line.strip() for line in lines[start:] if line.strip()]
-    indent = match.group(1)  # the first def's indentation is removed from every line that has it
-    body = [line[len(indent):] if line.startswith(indent) else line
-            for line in text[match.start():].rstrip().split("\n")]
-    for end in range(len(body), 0, -1):  # the longest prefix that parses, always with the first `def`
-        code = "\n".join(imports + body[:end])
-        if _parses(code):
-            return code
-    return "\n".join(imports + body)
-
-
-def _parses(code: str) -> bool:
-    try:
-        ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return True
-
-
 # ----- reward -----
-
-
-def joint_program(helper_code: str, main_code: str) -> str:
-    """The program the tests run against: the helper's code, then the main agent's code."""
-    return "\n\n".join(part for part in (helper_code.strip("\n"), main_code.strip("\n")) if part) + "\n"
-
-
-def structure_bonus(main_code: str, entry_point: str) -> float:
-    """+0.1 if `main_code` defines `entry_point`, +0.1 more if that function calls the teammate's `aux`."""
-    try:
-        tree = ast.parse(main_code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return 0.0
-    functions = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    entry = next((node for node in functions if node.name == entry_point), None)
-    if entry is None:
-        return 0.0
-    defines_helper = any(node.name == HELPER_NAME for node in functions)
-    calls_helper = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == HELPER_NAME
-                       for node in ast.walk(entry))
-    return STRUCTURE_BONUS + (STRUCTURE_BONUS if calls_helper and not defines_helper else 0.0)
 
 
 def run_tests(helper_code: str, main_code: str, tests: Sequence[str]) -> SandboxResult:
@@ -259,20 +190,13 @@ def _run_cached(program: str, tests: tuple[str, ...]) -> SandboxResult:
     return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT)
 
 
-def _run_all(programs: list[tuple[str, str]], tests: Sequence[str]) -> list[SandboxResult]:
-    """Run the tests against several (helper, main) pairs, in parallel processes."""
-    workers = max(1, min(len(programs), os.cpu_count() or 1, 8))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda pair: run_tests(pair[0], pair[1], tests), programs))
-
-
 def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *,
            batch_items: Sequence[dict[str, Any]]) -> list[float]:
     """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
     item = batch_items[0]
     helpers = [extract_code(text) for text in helper_completions]
     mains = [extract_code(text) for text in main_completions]
-    results = _run_all(list(zip(helpers, mains)), item["tests"])
+    results = run_parallel(lambda pair: run_tests(*pair, item["tests"]), zip(helpers, mains))
     return [result.pass_rate + structure_bonus(main, item["entry_point"]) for result, main in zip(results, mains)]
 
 
@@ -288,42 +212,11 @@ def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int
     and the teammate's code, and asks for a revised function. `prompt` and `prompt_history_per_agent` are part of
     the transition contract but not needed here.
     """
-    if num_agents != 2:
-        raise ValueError(f"The code-feedback task has 2 agents (helper, main), got num_agents={num_agents}.")
+    check_two_agents(num_agents, "code-feedback")
     helper_code, main_code = (extract_code(text) for text in agent_completions)
     result = run_tests(helper_code, main_code, batch_item["tests"])
-    report = _test_report(result, attempt=len(response_history_per_agent[0]))
-    entry_point = batch_item["entry_point"]
-    helper_prompt = "\n".join([
-        report,
-        f"Your previous `{HELPER_NAME}`:", _listing(helper_code),
-        f"Your teammate's `{entry_point}`:", _listing(main_code),
-        f"Revise `{HELPER_NAME}` so that the joint program passes the tests.",
-    ])
-    main_prompt = "\n".join([
-        report,
-        f"Your previous `{entry_point}`:", _listing(main_code),
-        f"Your teammate's `{HELPER_NAME}`:", _listing(helper_code),
-        f"Revise `{entry_point}` so that the joint program passes the tests.",
-    ])
-    return [helper_prompt, main_prompt]
-
-
-def _test_report(result: SandboxResult, attempt: int) -> str:
-    head = f"Attempt {attempt}: the joint program passed {result.passed} of {result.total} tests."
-    if result.timed_out:
-        return head + " It ran out of time (an endless loop?)."
-    if not result.errors:
-        return head
-    return "\n".join([head, "Problems:", *(f"- {error}" for error in result.errors[:MAX_FEEDBACK_ERRORS])])
-
-
-def _listing(code: str) -> str:
-    if not code.strip():
-        return "(no function found)"
-    if len(code) > MAX_FEEDBACK_CODE_CHARS:
-        code = code[:MAX_FEEDBACK_CODE_CHARS].rstrip() + "\n# ... (cut)"
-    return f"```python\n{code}\n```"
+    return revision_prompts(result, helper_code, main_code, batch_item["entry_point"],
+                            attempt=len(response_history_per_agent[0]))
 
 
 # ----- evaluation metrics -----

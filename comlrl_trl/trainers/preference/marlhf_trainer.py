@@ -66,7 +66,8 @@ class MARLHFTrainer(PreferenceCheckpoints):
         agent_model, agents, num_agents, tokenizer, formatters, reward_func, reward_processor, train_dataset,
         eval_dataset, external_transition, wandb_config, eval_logger, eval_aggregator, peft_config, callbacks:
             As in [`MAGRPOTrainer`]. `reward_func` is the task reward: it labels the pairs and scores evaluation.
-            `train_dataset` must be a `datasets.Dataset` (pairs are collected over all of it).
+            `train_dataset` must be a `datasets.Dataset` (pairs are collected over all of it); without one the
+            trainer can only `evaluate()`.
         args ([`MARLHFConfig`], *optional*): configuration of all stages.
         critic_model, critics, metrics_callback, model_config, critic_peft_config:
             As in [`IACTrainer`]/[`MAACTrainer`], for `rl_algorithm` `"iac"` or `"maac"` only. Without
@@ -183,6 +184,9 @@ class MARLHFTrainer(PreferenceCheckpoints):
 
         Returns the last RL stage's `TrainOutput`.
         """
+        if self.train_dataset is None:
+            raise ValueError(f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
+                             "pass train_dataset=... when building it to train.")
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
         lock = self._claim_checkpoint_dir()
         try:
@@ -422,7 +426,7 @@ def _validate_inputs(args, reward_func, train_dataset, critic_model, critics, me
                      critic_peft_config, eval_logger, eval_aggregator, reward_peft_config, joint_formatter) -> None:
     if reward_func is None:
         raise ValueError("reward_func is required: the task reward labels the preference pairs and scores evaluation.")
-    if not isinstance(train_dataset, Dataset):
+    if train_dataset is not None and not isinstance(train_dataset, Dataset):
         raise TypeError(f"train_dataset must be a datasets.Dataset (pairs are collected over all of it), got "
                         f"{type(train_dataset).__name__}.")
     check_callable(joint_formatter, "joint_formatter (prompts, completions) -> str")

