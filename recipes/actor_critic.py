@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-from magrpo import DEMO_DEFAULTS, _as_chat, _default_model, _HelpFormatter, _load_task, _train_and_report
+from magrpo import DEMO_DEFAULTS, _default_model, _formatters, _HelpFormatter, _load_task, _train_and_report
 from trl import ModelConfig, get_peft_config
+from user_data import TASKS, DataArguments
 
 from comlrl_trl.compat import CompatTrlParser
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
@@ -32,10 +33,11 @@ AC_DEFAULTS = {**DEMO_DEFAULTS, "output_dir": "outputs/actor-critic-length-ratio
 
 
 @dataclass
-class RecipeArguments:
-    """Options of the recipe itself (the training and model options follow)."""
+class RecipeArguments(DataArguments):
+    """Options of the recipe itself: the data and reward (see recipes/user_data.py), then the rest (the training and
+    model options follow)."""
 
-    task: Literal["length_ratio", "summarize", "code_feedback"] = field(
+    task: Literal[TASKS] = field(
         default="length_ratio", metadata={"help": "Task module of comlrl_trl.tasks."}
     )
     algorithm: Literal["iac", "maac"] = field(default="iac", metadata={"help": "IAC or MAAC."})
@@ -74,7 +76,7 @@ def make_parser(algorithm: str = "iac") -> CompatTrlParser:
 
 
 def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
-    task, train_dataset, eval_dataset = _load_task(recipe)
+    task = _load_task(recipe, config)
     agents = recipe.agent_models or [_default_model(model_args)] * config.num_agents
     trainer_cls = TRAINERS[recipe.algorithm][0]
     separate = recipe.algorithm == "maac" or config.use_separate_critic
@@ -83,11 +85,11 @@ def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
         agents=agents,
         tokenizer=_tokenizers(agents),
         critic_model=(recipe.critic_model or agents[0]) if separate else None,
-        formatters=[_as_chat(f) for f in task.formatters()] if recipe.chat else task.formatters(),
+        formatters=_formatters(task, recipe),
         reward_func=task.reward,
         external_transition=task.transition if config.num_turns > 1 else None,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
+        train_dataset=task.train_dataset,
+        eval_dataset=task.eval_dataset,
         args=config,
         model_config={"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation},
         peft_config=peft,

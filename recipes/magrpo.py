@@ -12,13 +12,15 @@ Everything else comes from the command line or a YAML file (TRL's `TrlParser`; t
         --config recipes/configs/writing_qwen2.5_1.5b.yaml
     python recipes/magrpo.py --task summarize --algorithm marloo --num_generations 8 --use_peft false
     python recipes/magrpo.py --agent_models path/to/model_a path/to/model_b   # a heterogeneous team
+    python recipes/magrpo.py --dataset_name my_data.jsonl --prompt_column question \
+        --reward_func my_rewards.py:score                                    # your data and reward (TRL-style)
 
+`--dataset_name` takes a hub id or a local file or directory (see `recipes/user_data.py`).
 `--help` lists every option: the recipe's own, then every `MAGRPOConfig` (GRPOConfig) field, then TRL's
 `ModelConfig` (`--model_name_or_path`, `--use_peft`, `--lora_r`, ...).
 """
 
 import argparse
-import importlib
 import json
 import os
 import time
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trl import ModelConfig, get_peft_config
+from user_data import TASKS, DataArguments, load_task
 
 from comlrl_trl.compat import CompatTrlParser
 from comlrl_trl.joint_reward import accepts_keyword
@@ -68,10 +71,10 @@ DEMO_DEFAULTS = dict(
 
 
 @dataclass
-class RecipeArguments:
-    """Options of the recipe itself (the training and model options follow)."""
+class RecipeArguments(DataArguments):
+    """Options of the recipe itself: the data and reward, then the rest (the training and model options follow)."""
 
-    task: Literal["length_ratio", "summarize", "code_feedback"] = field(
+    task: Literal[TASKS] = field(
         default="length_ratio",
         metadata={"help": "Task module of comlrl_trl.tasks: dataset, formatters, reward (and transition)."},
     )
@@ -104,32 +107,34 @@ def make_parser() -> CompatTrlParser:
 
 
 def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig) -> dict:
-    task, train_dataset, eval_dataset = _load_task(recipe)
+    task = _load_task(recipe, config)
     config.advantage_mode = ADVANTAGE_MODES[recipe.algorithm]
     config.model_init_kwargs = {"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation,
                                 "revision": model_args.model_revision}
     agents = recipe.agent_models or [_default_model(model_args)] * config.num_agents
-    transition = task.transition if config.num_turns > 1 else None
     trainer = TRAINERS[recipe.algorithm](
         agents=agents,
-        formatters=[_as_chat(f) for f in task.formatters()] if recipe.chat else task.formatters(),
+        formatters=_formatters(task, recipe),
         reward_func=task.reward,
-        external_transition=transition,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
+        external_transition=task.transition if config.num_turns > 1 else None,
+        train_dataset=task.train_dataset,
+        eval_dataset=task.eval_dataset,
+        eval_logger=task.eval_logger,
+        eval_aggregator=task.eval_aggregator,
         args=config,
         peft_config=get_peft_config(model_args),
     )
-    return _train_and_report(trainer, recipe, config, lambda: trainer.evaluate(num_eval_samples=len(eval_dataset)))
+    eval_items = len(task.eval_dataset) if task.eval_dataset is not None else 0
+    return _train_and_report(trainer, recipe, config, lambda: trainer.evaluate(num_eval_samples=max(1, eval_items)))
 
 
-def _load_task(recipe):
-    """The task module of `--task` and its training (cut to `--max_train_items`) and evaluation sets."""
-    task = importlib.import_module(f"comlrl_trl.tasks.{recipe.task}")
-    train_dataset, eval_dataset = task.build_dataset("train"), task.build_dataset("eval")
-    if recipe.max_train_items is not None:
-        train_dataset = train_dataset.select(range(min(recipe.max_train_items, len(train_dataset))))
-    return task, train_dataset, eval_dataset
+def _load_task(recipe, config):
+    """The trainer's pieces (see `user_data.load_task`): the `--task`, or `--dataset_name` and `--reward_func`."""
+    return load_task(recipe.task, recipe, config.num_agents, recipe.max_train_items)
+
+
+def _formatters(task, recipe) -> list:
+    return [_as_chat(f) for f in task.formatters] if recipe.chat else list(task.formatters)
 
 
 def _train_and_report(trainer, recipe, config, final_evaluation) -> dict:
@@ -170,6 +175,8 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
     window = max(1, len(rewards) // 5)
     summary = {
         "task": recipe.task,
+        "dataset": recipe.dataset_name,
+        "reward_func": recipe.reward_func,
         "algorithm": recipe.algorithm,
         "train_seconds": round(seconds, 1),
         "env_steps": trainer.env_step,

@@ -154,11 +154,6 @@ def test_eval_logger_and_aggregator_go_together(build, which):
         build(**{which: lambda *a, **k: {}})
 
 
-def test_train_dataset_none(build):
-    with pytest.raises(ValueError, match="train_dataset is required"):
-        build(train_dataset=None)
-
-
 def test_iterable_dataset_needs_max_steps(build, make_config, prompts_dataset):
     with pytest.raises(ValueError, match="max_steps"):
         build(train_dataset=prompts_dataset.to_iterable_dataset(), args=make_config())

@@ -221,7 +221,7 @@ def eval_logger(*, agent_completions_turns: list[list[list[str]]], batch_items: 
     """Per evaluation sample: its `task_id` and, per turn k, `turn_k/pass_rate` and `turn_k/solved` of the joint
     program and `turn_k/main_only_pass_rate` and `turn_k/main_only_solved` of the main agent's code alone."""
     jobs = []  # (row, turn, helper code, main code)
-    for i, item in enumerate(batch_items):
+    for i in range(len(batch_items)):
         for turn, (helper_text, main_text) in enumerate(zip(agent_completions_turns[0][i],
                                                             agent_completions_turns[1][i]), start=1):
             jobs.append((i, turn, extract_code(helper_text), extract_code(main_text)))
