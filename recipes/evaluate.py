@@ -15,7 +15,6 @@ Generation follows the `MAGRPOConfig` options (`--temperature`, `--top_p`, `--ma
 `output_dir/eval_metrics.json`).
 """
 
-import argparse
 import json
 import os
 import re
@@ -23,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from magrpo import _as_chat, _default_model
+from magrpo import _as_chat, _default_model, _HelpFormatter
 from trl import ModelConfig
 from user_data import TASKS, DataArguments, load_task
 
@@ -57,10 +56,6 @@ class EvaluateArguments(DataArguments):
         default=True, metadata={"help": "Also write every sampled path (item, prompts' task id, completions per agent "
                                         "and turn) as JSON lines next to the metrics (*.samples.jsonl)."}
     )
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Keeps the usage text above as written and shows every option's default."""
 
 
 def make_parser() -> CompatTrlParser:

@@ -43,12 +43,10 @@ from datasets import Dataset
 from .coding import (
     HELPER_NAME,
     STRUCTURE_BONUS,
-    check_two_agents,
     extract_code,
     joint_program,
+    joint_rewards,
     revision_prompts,
-    run_parallel,
-    structure_bonus,
     with_feedback,
 )
 from .sandbox import SandboxResult, run_python
@@ -194,10 +192,8 @@ def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *
            batch_items: Sequence[dict[str, Any]]) -> list[float]:
     """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
     item = batch_items[0]
-    helpers = [extract_code(text) for text in helper_completions]
-    mains = [extract_code(text) for text in main_completions]
-    results = run_parallel(lambda pair: run_tests(*pair, item["tests"]), zip(helpers, mains))
-    return [result.pass_rate + structure_bonus(main, item["entry_point"]) for result, main in zip(results, mains)]
+    return joint_rewards(helper_completions, main_completions, item["entry_point"],
+                         lambda helper, main: run_tests(helper, main, item["tests"]))
 
 
 # ----- transition -----
@@ -212,11 +208,8 @@ def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int
     and the teammate's code, and asks for a revised function. `prompt` and `prompt_history_per_agent` are part of
     the transition contract but not needed here.
     """
-    check_two_agents(num_agents, "code-feedback")
-    helper_code, main_code = (extract_code(text) for text in agent_completions)
-    result = run_tests(helper_code, main_code, batch_item["tests"])
-    return revision_prompts(result, helper_code, main_code, batch_item["entry_point"],
-                            attempt=len(response_history_per_agent[0]))
+    return revision_prompts(agent_completions, num_agents, len(response_history_per_agent[0]), batch_item["entry_point"],
+                            lambda helper, main: run_tests(helper, main, batch_item["tests"]), "code-feedback")
 
 
 # ----- evaluation metrics -----

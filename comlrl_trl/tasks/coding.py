@@ -105,6 +105,16 @@ def run_parallel(function: Callable[[T], R], inputs: Iterable[T]) -> list[R]:
         return list(pool.map(function, inputs))
 
 
+def joint_rewards(helper_completions: Sequence[str], main_completions: Sequence[str], entry_point: str,
+                  run_tests: Callable[[str, str], SandboxResult]) -> list[float]:
+    """One reward per joint action: the fraction of tests `run_tests(helper_code, main_code)` passes, plus
+    `structure_bonus`. The programs run in parallel."""
+    helpers = [extract_code(text) for text in helper_completions]
+    mains = [extract_code(text) for text in main_completions]
+    results = run_parallel(lambda pair: run_tests(*pair), zip(helpers, mains))
+    return [result.pass_rate + structure_bonus(main, entry_point) for result, main in zip(results, mains)]
+
+
 # ----- prompts -----
 
 
@@ -114,16 +124,15 @@ def with_feedback(head: str, feedback: str | None) -> str:
     return "\n\n".join(parts) + "\nAnswer with Python code only.\n"
 
 
-def check_two_agents(num_agents: int, task_name: str) -> None:
+def revision_prompts(agent_completions: Sequence[str], num_agents: int, attempt: int, entry_point: str,
+                     run_tests: Callable[[str, str], SandboxResult], task_name: str) -> list[str]:
+    """The next turn's `[helper_prompt, main_prompt]` for one joint action: the test results of the joint program
+    (the first failing tests, truncated), the agent's own previous code and the teammate's code, and a request to
+    revise. `attempt` is the number of the turn that produced `agent_completions`."""
     if num_agents != 2:
         raise ValueError(f"The {task_name} task has 2 agents (helper, main), got num_agents={num_agents}.")
-
-
-def revision_prompts(result: SandboxResult, helper_code: str, main_code: str, entry_point: str,
-                     attempt: int) -> list[str]:
-    """The next turn's `[helper_prompt, main_prompt]`: the test results of the joint program (the first failing
-    tests, truncated), the agent's own previous code and the teammate's code, and a request to revise."""
-    report = _test_report(result, attempt)
+    helper_code, main_code = (extract_code(text) for text in agent_completions)
+    report = _test_report(run_tests(helper_code, main_code), attempt)
     helper_prompt = "\n".join([
         report,
         f"Your previous `{HELPER_NAME}`:", _listing(helper_code),

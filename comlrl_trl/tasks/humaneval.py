@@ -54,15 +54,14 @@ from datasets import Dataset
 from .coding import (
     HELPER_NAME,
     STRUCTURE_BONUS,
-    check_two_agents,
     extract_code,
     group_counts,
     joint_program,
+    joint_rewards,
     mean_pass_at_k,
     pass_at_k_values,
     revision_prompts,
     run_parallel,
-    structure_bonus,
     with_feedback,
 )
 from .sandbox import SandboxResult, run_python
@@ -195,10 +194,8 @@ def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *
            batch_items: Sequence[dict[str, Any]]) -> list[float]:
     """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
     item = batch_items[0]
-    helpers = [extract_code(text) for text in helper_completions]
-    mains = [extract_code(text) for text in main_completions]
-    results = run_parallel(lambda pair: run_tests(item, *pair), zip(helpers, mains))
-    return [result.pass_rate + structure_bonus(main, item["entry_point"]) for result, main in zip(results, mains)]
+    return joint_rewards(helper_completions, main_completions, item["entry_point"],
+                         lambda helper, main: run_tests(item, helper, main))
 
 
 def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int,
@@ -206,11 +203,8 @@ def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int
                batch_item: dict[str, Any]) -> list[str]:
     """The next turn's revision prompts `[helper_prompt, main_prompt]`, as in `code_feedback`: the test results of
     the joint program, the agent's own code and the teammate's code."""
-    check_two_agents(num_agents, "HumanEval")
-    helper_code, main_code = (extract_code(text) for text in agent_completions)
-    result = run_tests(batch_item, helper_code, main_code)
-    return revision_prompts(result, helper_code, main_code, batch_item["entry_point"],
-                            attempt=len(response_history_per_agent[0]))
+    return revision_prompts(agent_completions, num_agents, len(response_history_per_agent[0]), batch_item["entry_point"],
+                            lambda helper, main: run_tests(batch_item, helper, main), "HumanEval")
 
 
 # ----- evaluation metrics -----
