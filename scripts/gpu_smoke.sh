@@ -11,11 +11,11 @@
 #   zero3       the same under ZeRO-3
 #   preference  MARLHF, iterative MARLHF (engines rebuilt, memory flat), MADPO, under ZeRO-2 and ZeRO-3; a ZeRO-3
 #               value head with a hidden layer saved and restored (tiny models, the tests' scripts)
-#   resume      a run killed after its first epoch's checkpoint, then resumed (single GPU)
+#   resume      a run killed after its first epoch's checkpoint, then resumed (single GPU); resume under ZeRO-2/3
+#               (MAGRPO, MAAC's critic, IAC's heads) giving exactly the uninterrupted run's weights
 #   all         every part in turn (about 20-25 minutes)
 # Not covered: DDP with several processes needs one GPU per process (NCCL refuses two ranks on one device); the
-# 2-process runs are tested on the CPU with gloo (tests/test_distributed.py). Resume under DeepSpeed is not
-# supported yet (README, Scaling).
+# 2-process runs are tested on the CPU with gloo (tests/test_distributed.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?usage: bash scripts/gpu_smoke.sh single|zero2|zero3|preference|resume|all [output_dir]}"
@@ -82,6 +82,18 @@ resume() {
   "$python" tests/scripts/checkpoint_run.py "$out/resume" "$out/resume-killed.json" --kill-before-epoch 2 || true
   "$python" tests/scripts/checkpoint_run.py "$out/resume" "$out/resume.json" --resume
   "$python" -c "import json; r = json.load(open('$out/resume.json')); assert len(r['rewards']) > 0; print('RESULT', r)"
+  for run in "2 magrpo" "3 magrpo" "2 maac" "3 iac"; do  # under DeepSpeed: resumed == uninterrupted, exactly
+    set -- $run
+    echo "== resume under ZeRO-$1 ($2)"
+    rm -rf "$out/ds-resume-$1-$2"
+    for mode in full resume; do
+      ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE="$1" "$python" -m torch.distributed.run \
+        --standalone --nproc_per_node 1 tests/scripts/deepspeed_resume.py "$out/ds-resume-$1-$2" "$mode" "$2" \
+        2>&1 | grep "^RESULT" > "$out/ds-resume-$1-$2-$mode.txt"
+    done
+    cmp <(cut -d' ' -f2- "$out/ds-resume-$1-$2-full.txt") <(cut -d' ' -f2- "$out/ds-resume-$1-$2-resume.txt") \
+      && echo "same weights"
+  done
 }
 
 case "$part" in

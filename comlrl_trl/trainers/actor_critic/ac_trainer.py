@@ -204,9 +204,8 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         if self.args.should_save and self.critic_set.optimizer_state():
             torch.save(self.critic_set.optimizer_state(), os.path.join(checkpoint, CRITIC_OPTIMIZERS_NAME))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.critic_set.load(resume_from_checkpoint)
+    def _load_extra_state(self, checkpoint: str) -> None:
+        self.critic_set.load(checkpoint)
 
     def _compatibility(self) -> dict[str, Any]:
         from ...checkpoint import model_fingerprint

@@ -34,7 +34,6 @@ from ...checkpoint import (
     check_writable,
     commit,
     latest_checkpoint,
-    model_fingerprint,
     new_staging_token,
     prune,
     refuse_foreign_checkpoints,
@@ -161,7 +160,7 @@ class PreferenceCheckpoints:
         return {
             "trainer_class": self._class_path(),
             "rl_trainer_class": f"{type(rl).__module__}.{type(rl).__qualname__}",
-            "models": [model_fingerprint(model) for model in rl.agents],
+            "models": list(rl._model_fingerprints),  # taken at construction, before DeepSpeed changes tensors
             "tokenizers": [tokenizer_fingerprint(tokenizer) for tokenizer in rl.tokenizers],
             "reward_tokenizer": tokenizer_fingerprint(self.reward_tokenizer),
             "reward_peft": self.reward_peft_config is not None,

@@ -24,6 +24,7 @@ from accelerate.utils import gather_object, is_peft_model
 from datasets import Dataset, IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
+from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -192,6 +193,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         for index, agent in enumerate(self._team):
             agent.agent_index = index
         _warn_low_precision_weights(self._team, self.is_deepspeed_enabled)
+        # Fingerprinted now, before training: DeepSpeed later casts weights (bf16) and ZeRO-3 empties partitioned
+        # tensors, which would make a valid checkpoint look foreign on resume.
+        self._model_fingerprints = [model_fingerprint(agent.model) for agent in self._team]
         self._share_frozen_base_weights()
         self.formatters = formatter_list
         self.eval_dataset = eval_dataset
@@ -473,7 +477,7 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         return {
             "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "num_agents": len(self._team),
-            "models": [model_fingerprint(agent.model) for agent in self._team],
+            "models": self._model_fingerprints,
             "tokenizers": [tokenizer_fingerprint(agent.processing_class) for agent in self._team],
             "num_generations": self.args.num_generations,
             "joint_mode": self.args.joint_mode,
@@ -577,6 +581,24 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         super()._load_from_checkpoint(os.path.join(resume_from_checkpoint, "agent_0"), model)
         for i, follower in enumerate(self._team[1:], start=1):
             Trainer._load_from_checkpoint(follower, os.path.join(resume_from_checkpoint, f"agent_{i}"))
+        self._load_extra_state(resume_from_checkpoint)
+
+    def _load_extra_state(self, checkpoint: str) -> None:
+        """Restore what `_save_extra_state` wrote (critics, ...); subclasses add theirs."""
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if resume_from_checkpoint is None or not self.is_deepspeed_enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # Under DeepSpeed, Trainer loads the engine state from the checkpoint directory itself and skips
+        # `_load_from_checkpoint`; agent 0's engine state is in checkpoint-N/agent_0, and the team's other state
+        # (critics, value heads, their optimisers) is restored here. Followers load theirs in _prepare_followers.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        deepspeed_load_checkpoint(self.model_wrapped, os.path.join(resume_from_checkpoint, "agent_0"),
+                                  load_module_strict=not is_peft_model(self.model))
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)  # maps to agent_0
+        self._load_scaler(os.path.join(resume_from_checkpoint, "agent_0"))
+        self._load_extra_state(resume_from_checkpoint)
+        return model, train_dataloader
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:
