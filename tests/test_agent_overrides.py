@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 from helpers import changed, length_ratio_reward, snapshot
+from test_recipes import _recipe
 
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
@@ -141,12 +142,6 @@ def test_bad_overrides_are_refused(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         MAGRPOConfig(output_dir=str(tmp_path), agent_overrides=overrides)
 
-
-def _recipe():
-    spec = importlib.util.spec_from_file_location("magrpo_recipe", ROOT / "recipes" / "magrpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_overrides_from_yaml_and_command_line(tmp_path):

@@ -1,11 +1,10 @@
 """Coming from CoMLRL: removed fields and value spellings give errors naming the replacement, in Python and YAML."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import length_ratio_reward
+from test_recipes import _actor_critic_recipe, _recipe
 
 from comlrl_trl.compat import REMOVED_FIELDS
 from comlrl_trl.trainers.actor_critic import IACConfig, MAACConfig
@@ -91,19 +90,6 @@ def test_negative_beta_is_refused(tmp_path):
 # ----- recipes: YAML files and command lines -----
 
 
-def _recipe():
-    spec = importlib.util.spec_from_file_location("magrpo_recipe", ROOT / "recipes" / "magrpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _actor_critic_recipe():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    spec = importlib.util.spec_from_file_location("actor_critic_recipe", ROOT / "recipes" / "actor_critic.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("line, expected", [
