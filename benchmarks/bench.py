@@ -1,12 +1,15 @@
 """Speed and memory of comlrl_trl MAGRPO, IAC and MAAC against the peer (CoMLRL 1.4.3), and MAGRPO against TRL GRPO.
 
-    python benchmarks/bench.py                    # everything (about 10-15 minutes on 2 CPU cores)
+    python benchmarks/bench.py                    # everything (about 30 minutes on 2 CPU cores)
+    python benchmarks/bench.py --defaults         # only the rows at documented defaults (about 10 minutes)
     python benchmarks/bench.py --quick            # the tiny model only
     python benchmarks/bench.py --gpu              # on a GPU machine: a random-weight 0.5B-size model, bf16
 
-Each measurement is a fresh process (`benchmarks/workers.py`) that trains for one epoch and reports the training
-wall time (generation included, loading excluded) and its own peak RSS; the table shows medians over `--repeats`
-runs. The peer runs in its own virtual environment (`benchmarks/.peer-venv`, created on first use with the same
+Each measurement is a fresh process (`benchmarks/workers.py`) that trains for one epoch and reports its CPU time
+and wall time (generation included, loading excluded) and its own peak RSS; the table shows medians over `--repeats`
+runs. Rows at defaults (the code a user writes, first step included) are measured in joint samples per CPU second;
+tuned rows (same forced lengths and items per step for every system, fp32, first step left out) in joint samples
+per wall second. The peer runs in its own virtual environment (`benchmarks/.peer-venv`, created on first use with the same
 torch build). Results go to `benchmarks/results/bench-<date>.json` and a chart `benchmarks/results/bench.png`.
 """
 
@@ -54,8 +57,9 @@ def measure(system: str, settings: dict, repeats: int) -> dict:
         if result.returncode != 0 or line is None:
             raise RuntimeError(f"{system} failed ({settings}):\n{result.stderr[-3000:]}")
         runs.append(json.loads(line[len("RESULT "):]))
-    keys = ("joint_samples_per_s", "seconds_per_step", "peak_rss_mb", "seconds")
-    return {key: statistics.median(run[key] for run in runs) for key in keys} | {"runs": runs}
+    keys = ("joint_samples_per_s", "seconds_per_step", "peak_rss_mb", "seconds", "joint_samples_per_cpu_s",
+            "cpu_seconds")
+    return {key: statistics.median(run[key] for run in runs) for key in keys if key in runs[0]} | {"runs": runs}
 
 
 def model_paths(include_demo: bool) -> dict:
@@ -70,8 +74,25 @@ def model_paths(include_demo: bool) -> dict:
     return paths
 
 
+def plan_defaults(paths: dict) -> list[tuple[str, str, dict]]:
+    """The rows at documented defaults: N=2, K=4, 16 new tokens, one epoch, one thread, nothing else set."""
+    base = dict(threads=1, lora=False, output_dir="/tmp/comlrl-trl-bench", defaults=True, tokens=16, k=4)
+    rows = []
+    for model, items in (("tiny", 8), ("smollm2", 4)):
+        if model not in paths:
+            continue
+        settings = dict(base, model=paths[model], items=items)
+        rows += [(f"{model} N=2 K=4 defaults", "ours", dict(settings, agents=2)),
+                 (f"{model} N=2 K=4 defaults", "peer", dict(settings, agents=2)),
+                 (f"{model} N=1 K=4 defaults", "ours", dict(settings, agents=1)),
+                 (f"{model} N=1 K=4 defaults", "trl", dict(settings, agents=1))]
+        if model == "smollm2":
+            rows.append((f"{model} N=2 K=4 defaults lora", "ours", dict(settings, agents=2, lora=True)))
+    return rows
+
+
 def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
-    """(label, system, settings) of every measurement."""
+    """(label, system, settings) of every tuned measurement (labels end in "tuned")."""
     base = dict(threads=1, lora=False, output_dir="/tmp/comlrl-trl-bench", items_per_step=2)
     rows = []
     tiny = dict(base, model=paths["tiny"], tokens=16, items=16)
@@ -96,10 +117,29 @@ def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
     return rows
 
 
+def summarize_defaults(by: dict) -> dict:
+    """Ratios for the targets at defaults: joint samples per CPU second vs the peer and TRL, memory vs the peer."""
+    out = {}
+    for model, target in (("smollm2", 3), ("tiny", 2)):
+        ours, peer = by.get((f"{model} N=2 K=4 defaults", "ours")), by.get((f"{model} N=2 K=4 defaults", "peer"))
+        if ours and peer:
+            out[f"{model} defaults: samples per CPU-s ours/peer (N=2, K=4; target >= {target})"] = \
+                ours["joint_samples_per_cpu_s"] / peer["joint_samples_per_cpu_s"]
+        one, trl = by.get((f"{model} N=1 K=4 defaults", "ours")), by.get((f"{model} N=1 K=4 defaults", "trl"))
+        if one and trl:
+            out[f"{model} defaults: samples per CPU-s ours/TRL (N=1; target >= 1)"] = \
+                one["joint_samples_per_cpu_s"] / trl["joint_samples_per_cpu_s"]
+    lora, peer = by.get(("smollm2 N=2 K=4 defaults lora", "ours")), by.get(("smollm2 N=2 K=4 defaults", "peer"))
+    if lora and peer:
+        out["smollm2 defaults: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = \
+            lora["peak_rss_mb"] / peer["peak_rss_mb"]
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
     """Ratios for the targets: throughput vs the peer, memory vs the peer, overhead vs TRL, scaling in N."""
-    by = {(r["label"], r["system"]): r for r in results}
-    out = {}
+    by = {(r["label"].removesuffix(" tuned"), r["system"]): r for r in results}
+    out = summarize_defaults(by)
     for model in ("tiny", "smollm2"):
         ours, peer = by.get((f"{model} N=2 K=4 full", "ours")) or by.get((f"{model} N=2 K=4", "ours")), \
             by.get((f"{model} N=2 K=4 full", "peer")) or by.get((f"{model} N=2 K=4", "peer"))
@@ -128,11 +168,13 @@ def summarize(results: list[dict]) -> dict:
 
 
 def print_table(results: list[dict], ratios: dict) -> None:
-    header = f"{'setting':<24} {'system':<6} {'joint samples/s':>16} {'s/step':>8} {'peak RSS MB':>12}"
+    header = (f"{'setting':<30} {'system':<6} {'samples/CPU-s':>14} {'samples/s':>10} {'s/step':>8} "
+              f"{'peak RSS MB':>12}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
-        print(f"{r['label']:<24} {r['system']:<6} {r['joint_samples_per_s']:>16.1f} {r['seconds_per_step']:>8.3f} "
-              f"{r['peak_rss_mb']:>12.0f}")
+        per_cpu = f"{r['joint_samples_per_cpu_s']:>14.3f}" if "joint_samples_per_cpu_s" in r else f"{'-':>14}"
+        print(f"{r['label']:<30} {r['system']:<6} {per_cpu} {r['joint_samples_per_s']:>10.2f} "
+              f"{r['seconds_per_step']:>8.3f} {r['peak_rss_mb']:>12.0f}")
     print()
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
@@ -148,7 +190,8 @@ def chart(results: list[dict], path: Path) -> None:
     for system, marker in (("ours", "o"), ("peer", "s")):
         for n, style in ((1, ":"), (2, "-"), (4, "--")):
             points = [(r["settings"]["k"], r["seconds_per_step"]) for r in results
-                      if r["system"] == system and r["label"].startswith(f"tiny N={n} ")]
+                      if r["system"] == system and r["label"].startswith(f"tiny N={n} ")
+                      and r["label"].endswith(" tuned")]
             if points:
                 ks, seconds = zip(*sorted(points))
                 left.plot(ks, seconds, marker=marker, linestyle=style, label=f"{system} N={n}")
@@ -157,7 +200,8 @@ def chart(results: list[dict], path: Path) -> None:
     left.set_xticks([2, 4, 8], labels=["2", "4", "8"])
     left.legend(fontsize=7)
     left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    by = {(r["label"], r["system"]): r["joint_samples_per_s"] for r in results}
+    by = {(r["label"].removesuffix(" tuned"), r["system"]): r["joint_samples_per_s"] for r in results
+          if r["label"].endswith(" tuned")}
     bars = [(f"tiny N={n} K=4", by.get((f"tiny N={n} K=4", "ours")), by.get((f"tiny N={n} K=4", "peer")))
             for n in (1, 2, 4)]
     bars += [("smollm2 N=2 K=4 full", by.get(("smollm2 N=2 K=4 full", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))),
@@ -179,6 +223,7 @@ def chart(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model only")
+    parser.add_argument("--defaults", action="store_true", help="only the rows at documented defaults")
     parser.add_argument("--repeats", type=int, default=3, help="runs per tiny-model measurement (median)")
     parser.add_argument("--demo-repeats", type=int, default=1, help="runs per SmolLM2 measurement (long, stable)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU variant (benchmarks/gpu.py)")
@@ -195,21 +240,29 @@ def main() -> None:
 
     ensure_peer_venv()
     paths = model_paths(include_demo=not args.quick)
+    rows = plan_defaults(paths)
+    if not args.defaults:
+        rows += [(f"{label} tuned", system, settings) for label, system, settings in plan(paths, args.quick)]
     results = []
-    for label, system, settings in plan(paths, args.quick):
+    for label, system, settings in rows:
         repeats = args.repeats if label.startswith("tiny") else args.demo_repeats
-        print(f"measuring {label:<24} {system:<5} ...", end=" ", flush=True)
+        print(f"measuring {label:<30} {system:<5} ...", end=" ", flush=True)
         result = measure(system, settings, repeats)
-        print(f"{result['joint_samples_per_s']:.1f} joint samples/s, {result['peak_rss_mb']:.0f} MB", flush=True)
+        speed = (f"{result['joint_samples_per_cpu_s']:.3f} joint samples/CPU-s" if settings.get("defaults")
+                 else f"{result['joint_samples_per_s']:.2f} joint samples/s")
+        print(f"{speed}, {result['peak_rss_mb']:.0f} MB", flush=True)
         results.append({"label": label, "system": system, "settings": settings, **result})
     ratios = summarize(results)
     print_table(results, ratios)
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    json_path = args.json or out_dir / f"bench-{stamp}.json"
+    json_path = args.json or out_dir / f"bench-{'defaults-' if args.defaults else ''}{stamp}.json"
     json_path.write_text(json.dumps({"date": stamp, "machine": platform.platform(), "cpus": os.cpu_count(),
                                      "ratios": ratios, "results": results}, indent=2))
+    if args.defaults:
+        print(f"\nresults: {json_path}")
+        return
     chart(results, out_dir / "bench.png")
     print(f"\nresults: {json_path}\nchart: {out_dir / 'bench.png'}")
 

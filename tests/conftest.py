@@ -53,6 +53,10 @@ def make_config(tmp_path):
             eval_interval=0,
             seed=0,
         )
+        if config_cls._default_batch_size is MAGRPOConfig._default_batch_size:
+            # One task item per step (the default is four): these tests count steps, logs and evaluations in items.
+            k = overrides.get("num_generations", settings["num_generations"])
+            settings["per_device_train_batch_size"] = k or overrides["preference_num_candidates"]  # MADPO: K = candidates
         settings.update(overrides)
         return config_cls(**settings)
 

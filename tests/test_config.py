@@ -6,6 +6,8 @@ from transformers import HfArgumentParser
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import TrlParser
 
+from comlrl_trl import hardware
+from comlrl_trl.hardware import cpu_has_fast_bf16
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comlrl_trl.utils.reward_processor import RewardProcessors
 
@@ -27,17 +29,41 @@ def test_plain_config_runs_on_this_machine_without_precision_flags(out):
     assert cfg.num_agents == 2
     assert cfg.fp16 is False
     if not torch.cuda.is_available():
-        assert cfg.bf16 is False
+        assert cfg.bf16 is cpu_has_fast_bf16()
     else:
         assert cfg.bf16 is is_torch_bf16_gpu_available()
 
 
-def test_use_cpu_never_turns_bf16_on(out):
-    assert config(out, use_cpu=True).bf16 is False
+@pytest.mark.parametrize("fast", [True, False])
+def test_on_the_cpu_bf16_follows_the_cpus_bf16_support(out, monkeypatch, fast):
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast)
+    cfg = config(out, use_cpu=True)
+    assert cfg.bf16 is fast
+    assert cfg.mixed_precision == ("bf16" if fast else "no")
+
+
+def test_cpu_flags_decide_fast_bf16(tmp_path):
+    def with_flags(flags):
+        cpuinfo = tmp_path / f"cpuinfo-{len(flags)}"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n")
+        return hardware.cpu_has_fast_bf16(str(cpuinfo))
+
+    assert with_flags("avx2 avx512f avx512_bf16") is True
+    assert with_flags("avx2 amx_tile amx_bf16 x") is True
+    assert with_flags("avx2 avx512f avx512_vnni avx512_fp16") is False  # bf16 would be emulated: slower than fp32
+    assert hardware.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
 
 def test_explicit_bf16_false_is_kept(out):
-    assert config(out, bf16=False).bf16 is False
+    cfg = config(out, bf16=False)
+    assert cfg.bf16 is False
+    assert cfg.bf16_from_default is False
+
+
+def test_gradient_checkpointing_is_off_on_the_cpu_unless_asked_for(out):
+    assert config(out, use_cpu=True).gradient_checkpointing is False
+    assert config(out, use_cpu=True, gradient_checkpointing=True).gradient_checkpointing is True
+    assert config(out, use_cpu=True, activation_checkpointing=True).gradient_checkpointing is True
 
 
 def test_defaults(out):
@@ -47,7 +73,7 @@ def test_defaults(out):
     assert cfg.max_completion_length == 256
     assert cfg.max_new_tokens == 256
     assert cfg.num_generations == 4
-    assert cfg.per_device_train_batch_size == cfg.num_generations
+    assert cfg.per_device_train_batch_size == 4 * cfg.num_generations  # four task items per step
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
     assert cfg.top_k == 0  # None -> 0 (disabled)
@@ -65,7 +91,7 @@ def test_defaults(out):
 
 def test_per_device_batch_follows_num_generations(out):
     cfg = config(out, num_generations=6)
-    assert cfg.per_device_train_batch_size == 6
+    assert cfg.per_device_train_batch_size == 24  # four items of 6 completions
     assert config(out, num_generations=2, per_device_train_batch_size=8).per_device_train_batch_size == 8
 
 
@@ -229,7 +255,7 @@ def test_hf_argument_parser_round_trip(out):
     assert cfg.joint_mode == "cross"
     assert cfg.agent_learning_rate == 1e-4 and cfg.learning_rate == 1e-4
     assert cfg.top_k == 5
-    assert cfg.max_completion_length == 256 and cfg.per_device_train_batch_size == 4
+    assert cfg.max_completion_length == 256 and cfg.per_device_train_batch_size == 16
     assert cfg.save_strategy == "no"
 
 
@@ -290,3 +316,21 @@ def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tm
     assert len(messages) == (1 if warns else 0)
     if warns:
         assert "CPU-only build" in messages[0] and "make install TORCH=" in messages[0]
+
+
+@pytest.mark.parametrize("num_items, evaluates, eval_interval, items_per_step", [
+    (16, False, 16, 4), (8, False, 16, 4), (6, False, 16, 3), (7, False, 16, 1), (10, False, 16, 2),
+    (2, False, 16, 2), (3, False, 16, 3), (1, False, 16, 1),
+    (16, True, 16, 4), (16, True, 6, 2), (16, True, 1, 1), (16, False, 1, 4),  # eval_interval counts only with evals
+])
+def test_default_batch_fits_the_training_set(out, num_items, evaluates, eval_interval, items_per_step):
+    cfg = config(out, num_generations=3, eval_interval=eval_interval)
+    cfg.fit_batch_to_dataset(num_items, evaluates=evaluates)
+    assert cfg.per_device_train_batch_size == 3 * items_per_step
+    assert cfg.generation_batch_size == 3 * items_per_step
+
+
+def test_a_set_batch_size_is_never_fitted(out):
+    cfg = config(out, num_generations=3, per_device_train_batch_size=12)
+    cfg.fit_batch_to_dataset(7, evaluates=True)
+    assert cfg.per_device_train_batch_size == 12

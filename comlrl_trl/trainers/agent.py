@@ -7,6 +7,8 @@ with the rollout and rewards handed in through `inject()`. Everything else (padd
 KL with adapters disabled for LoRA, the clipped loss, metrics) stays TRL's own code.
 """
 
+from contextlib import contextmanager
+
 import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
@@ -63,7 +65,10 @@ class AgentGRPOTrainer(PromptTruncationMixin, GRPOTrainer):
     def _generate(self, prompts: list):
         rollout = self._injected_rollout
         if rollout is None:
-            return super()._generate(prompts)
+            # Under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
+            # which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused.
+            with self.accelerator.autocast(), _frozen_weights_cast_once(self.model, self.accelerator.device.type):
+                return super()._generate(prompts)
         self._injected_rollout = None
         return rollout
 
@@ -88,6 +93,27 @@ class AgentGRPOTrainer(PromptTruncationMixin, GRPOTrainer):
         ):
             args["deepspeed_plugin"] = None
         return args
+
+
+@contextmanager
+def _frozen_weights_cast_once(model: torch.nn.Module, device_type: str):
+    """While generating under autocast, let autocast cast frozen weights once instead of at every decoding step.
+
+    Autocast keeps the low-precision copy of a weight for the whole autocast region only when the weight requires
+    grad; frozen weights (the base model under LoRA) would be cast again at every token, which makes bf16 generation
+    slower than fp32 on a CPU. Generation runs under `no_grad`, so marking them as requiring grad for its duration
+    builds no graph; they are frozen again afterwards. Skipped when autocast is off or parameters are sharded.
+    """
+    frozen = []
+    if torch.is_autocast_enabled(device_type) and not any(hasattr(p, "ds_id") for p in model.parameters()):
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 class FollowerGRPOTrainer(AgentGRPOTrainer):

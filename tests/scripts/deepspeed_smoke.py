@@ -22,7 +22,7 @@ def main(output_dir: str, lora: bool) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
     config = MAGRPOConfig(output_dir=output_dir, num_generations=2, max_new_tokens=6, learning_rate=0.05,
                           logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
-                          eval_interval=0, bf16=False)
+                          eval_interval=0, bf16=False, per_device_train_batch_size=2)
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if lora else None
     trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
                             args=config, peft_config=peft)

@@ -67,6 +67,8 @@ class ActorCriticConfig(MAGRPOConfig):
         if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) or self.num_generations < 1:
             raise ValueError(f"num_generations must be an integer >= 1, got {self.num_generations!r}.")
 
+    _default_batch_fits_dataset = False
+
     def _default_batch_size(self) -> int:
         g = self.num_generations
         return g * -(-_MIN_SAMPLES_PER_STEP // g)

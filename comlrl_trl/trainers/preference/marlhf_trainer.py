@@ -132,6 +132,8 @@ class MARLHFTrainer(PreferenceCheckpoints):
         self.reward_peft_config = reward_peft_config
         self.reward_tokenizer = load_reward_tokenizer(self.reward_model_name)
         # Every TrainingArguments exists before the first trainer: creating one later resets Accelerate's state.
+        # The precision is decided once for the agents and the reward model, which share that state.
+        args.fit_precision_to_models([*sources, self.reward_model_name])
         self._reward_args = _reward_config(args)
         self.rl_trainer = build_stage_trainer(
             args, stage_config(args, self._rl_num_iterations()), self.learned_reward, agent_model=agent_model,

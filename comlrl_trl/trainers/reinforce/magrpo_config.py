@@ -8,17 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from ...agent_overrides import validate_agent_overrides
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
+from ...hardware import bf16_is_fast, cpu_bf16_pays_off
 
 
 # Defaults shared by the spec fields and their TRL twins. Each pair may be set through either name.
 _DEFAULT_LEARNING_RATE = 5e-6
 _DEFAULT_MAX_NEW_TOKENS = 256
+# Task items per device and optimiser step when per_device_train_batch_size is left unset. One item per step pays the
+# fixed costs of a step (a generate call and an AdamW update per agent, TRL's bookkeeping) for K samples only;
+# 4 items amortise them and still leave several updates per epoch on small task sets (see README, "Speed").
+_DEFAULT_ITEMS_PER_STEP = 4
 
 
 @dataclass
@@ -81,8 +85,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             `scale_rewards` (`True` is `"group"`, `False` is `"none"`); `None` follows `scale_rewards`. With
             normalisation on, all four baselines give the same advantages.
         per_device_train_batch_size (`int` or `None`, *optional*, defaults to `None`):
-            Completions per agent per device and micro-step, as in TRL. `None` means `num_generations`: one task
-            item per device per micro-step.
+            Completions per agent per device and micro-step, as in TRL. `None` means `4 * num_generations`: four
+            task items per device per optimiser step.
 
         agent_overrides (`list[dict]` or `None`, *optional*, defaults to `None`):
             One dict per agent of per-agent settings that replace this configuration's values for that agent only
@@ -109,9 +113,11 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     Defaults that differ from [`~trl.GRPOConfig`]: `num_generations=4`, `learning_rate=5e-6`,
     `max_completion_length=256`, `shuffle_dataset=False` (the task order is kept; shuffle the dataset yourself or
     set `shuffle_dataset=True` for per-epoch shuffling), `save_strategy="no"`, `logging_nan_inf_filter=False` (a
-    non-finite loss is an error, never silently replaced), and `bf16`, which is on only where the accelerator
-    supports it, so the same configuration runs on a CPU-only machine, where `use_cpu` is also turned on (so that
-    `torchrun` starts a real multi-process CPU group).
+    non-finite loss is an error, never silently replaced), `per_device_train_batch_size` (four task items per
+    step), `bf16`, which is on only where the device runs bf16 matrix products natively (GPUs with bf16, CPUs with
+    AMX or AVX512-BF16; generation then runs under bf16 autocast too), and `gradient_checkpointing`, off on the
+    CPU (where it only costs time) and TRL's `True` elsewhere. On a CPU-only machine `use_cpu` is turned on (so
+    that `torchrun` starts a real multi-process CPU group).
     """
 
     num_agents: int = field(default=2, metadata={"help": "Number of cooperating agents."})
@@ -168,7 +174,11 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     )
     num_generations: int | None = field(default=4, metadata={"help": "Completions per agent per task item (K)."})
     per_device_train_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions per agent per device and micro-step; None: num_generations."}
+        default=None,
+        metadata={"help": "Completions per agent per device and micro-step; None: 4 * num_generations (4 items)."},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in the backward pass; None: off on CPU, on elsewhere."}
     )
     top_k: int | None = field(default=None, metadata={"help": "Top-k filtering; None or 0 disables it."})
     max_prompt_length: int | None = field(
@@ -193,6 +203,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         if self.top_k is None:
             self.top_k = 0
         self._check_num_generations()
+        # Whether the batch size follows the training set (`fit_batch_to_dataset`): the default does, a set value not.
+        self.batch_size_from_default = self.per_device_train_batch_size is None and self._default_batch_fits_dataset
         if self.per_device_train_batch_size is None:
             self.per_device_train_batch_size = self._default_batch_size()
         if not self.use_cpu and not torch.accelerator.is_available():
@@ -200,9 +212,15 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             # Without an accelerator, Accelerate only forms a multi-process CPU group (gloo) when told it runs on
             # the CPU; otherwise every torchrun rank would silently train alone on the full data.
             self.use_cpu = True
+        # Whether bf16 follows the device and the models (`fit_precision_to_models`): the default does, a set value not.
+        self.bf16_from_default = self.bf16 is None
         if self.bf16 is None:
-            # TRL turns bf16 on by default, which fails on a CPU-only machine; use it only where it is supported.
-            self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
+            # TRL turns bf16 on everywhere; here it is on where the device has fast bf16 matrix products.
+            self.bf16 = not self.fp16 and bf16_is_fast(self.use_cpu)
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            # It trades compute for activation memory: on a CPU (plenty of memory, scarce compute) it only costs time.
+            # Set through transformers' current name, which `gradient_checkpointing` then mirrors.
+            self.activation_checkpointing = not self.use_cpu
         self._validate_multi_agent_fields()
         self.agent_overrides = validate_agent_overrides(self)
         self._grpo_post_init()
@@ -216,8 +234,44 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
                 f"num_generations must be >= 2 (the group baseline needs several samples), got {self.num_generations}."
             )
 
+    # The default batch size is `_DEFAULT_ITEMS_PER_STEP` items, lowered to fit small training sets.
+    _default_batch_fits_dataset = True
+
     def _default_batch_size(self) -> int:
-        return self.num_generations
+        return self.num_generations * _DEFAULT_ITEMS_PER_STEP
+
+    def fit_precision_to_models(self, models) -> None:
+        """Turn bf16 off again on a CPU when it was left to its default and a model is too small to gain from it.
+
+        Trainers call this with their models (ids, paths or model objects) before any of their trainers exists; the
+        first call decides, so that every trainer of a run (agents, critics, reward models) shares one precision.
+        """
+        if self.bf16 and self.bf16_from_default and self.use_cpu and not cpu_bf16_pays_off(models):
+            self.bf16 = False
+            self.mixed_precision = "no"  # TrainingArguments derived it from bf16 when it was built
+        self.bf16_from_default = False
+
+    def fit_batch_to_dataset(self, num_items: int, evaluates: bool = False) -> None:
+        """With the default batch size, take fewer items per step where four would change what an epoch does.
+
+        TRL drops an epoch's last incomplete step; one item per device per step leaves out only
+        `num_items % world_size`. The default takes the largest number of items per step, at most four, that leaves
+        out no more than that (16 items train in steps of 4, 6 items in steps of 3, 7 items in steps of 1) and, when
+        the trainer `evaluates` periodically, divides `eval_interval`, so that evaluations still come every
+        `eval_interval` items (they run between steps).
+        """
+        if not self.batch_size_from_default:
+            return
+        processes = self.world_size
+        kept = num_items // processes * processes
+
+        def fits(items: int) -> bool:
+            whole_epoch = num_items // (items * processes) * items * processes == kept
+            return whole_epoch and not (evaluates and self.eval_interval > 0 and self.eval_interval % (items * processes))
+
+        items = next((i for i in range(_DEFAULT_ITEMS_PER_STEP, 1, -1) if fits(i)), 1)  # 1: as TRL would do
+        self.per_device_train_batch_size = items * self.num_generations
+        self.generation_batch_size = self.per_device_train_batch_size * processes * self.steps_per_generation
 
     def _validate_multi_agent_fields(self):
         if self.max_prompt_length is not None and (isinstance(self.max_prompt_length, bool)
