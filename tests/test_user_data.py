@@ -118,7 +118,8 @@ def test_magrpo_recipe_trains_on_a_jsonl_file_with_a_reward_module(tmp_path, rew
     args = recipe.make_parser().parse_args_and_config(args=[
         "--dataset_name", str(path), "--prompt_column", "question", "--reward_func", "my_rewards:score",
         "--model_name_or_path", qwen_path, "--max_steps", "2", "--max_new_tokens", "6", "--output_dir",
-        str(tmp_path / "out"), "--plot", "false", "--num_generations", "2", "--logging_steps", "1"])
+        str(tmp_path / "out"), "--plot", "false", "--num_generations", "2", "--logging_steps", "1",
+        "--per_device_train_batch_size", "2"])  # one item per step
     summary = recipe.main(*args)
     calls = sys.modules["my_rewards"].CALLS
     assert summary["env_steps"] == 2 * 2 and summary["dataset"] == str(path)

@@ -26,7 +26,7 @@ def weights(model) -> list[float]:
 
 def main(output_dir: str) -> None:
     items = Dataset.from_dict({"prompt": [f"Item {i}: tell me" for i in range(4)]})
-    config = MADPOConfig(output_dir=output_dir, num_agents=2, preference_num_candidates=4, max_new_tokens=8,
+    config = MADPOConfig(output_dir=output_dir, num_agents=2, preference_num_candidates=4, per_device_train_batch_size=4, max_new_tokens=8,
                          learning_rate=0.05, logging_steps=1, report_to="none", gradient_checkpointing=False,
                          num_train_epochs=1, eval_interval=0, bf16=False, preference_pairs_per_sample=2)
     trainer = MADPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=items, args=config)

@@ -49,7 +49,7 @@ class RecordingRewardTrainer(marlhf_trainer.JointRewardTrainer):
 
 def main(output_dir: str, iterative: bool) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
-    common = dict(output_dir=output_dir, num_agents=2, num_generations=2, max_new_tokens=6, learning_rate=0.05,
+    common = dict(output_dir=output_dir, num_agents=2, num_generations=2, per_device_train_batch_size=2, max_new_tokens=6, learning_rate=0.05,
                   logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
                   eval_interval=0, bf16=False, preference_num_candidates=4, preference_pairs_per_sample=2,
                   reward_learning_rate=1e-3, reward_num_train_epochs=1, reward_train_batch_size=3)
