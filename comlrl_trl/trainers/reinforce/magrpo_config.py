@@ -69,9 +69,11 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             Completions per agent per task item (K). Must be at least 2 (the baseline needs a group).
         top_k (`int` or `None`, *optional*, defaults to `None`):
             Top-k filtering; `None` or `0` disables it.
-        max_prompt_length (`int` or `None`, *optional*, defaults to `512`):
+        max_prompt_length (`int` or `None`, *optional*, defaults to `2048`):
             Prompts longer than this many tokens are truncated from the left (the end is kept), with a warning, as
-            in TRL's trainers that have this option. `None`: no limit.
+            in TRL's trainers that have this option. `None`: no limit. The default is above TRL's former 512
+            because multi-turn revision prompts (problem, both agents' code, test feedback) of the coding tasks
+            reach about 1,000 tokens, and cutting from the left would drop the problem statement.
 
         > Parameters that control the update
 
@@ -182,7 +184,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     )
     top_k: int | None = field(default=None, metadata={"help": "Top-k filtering; None or 0 disables it."})
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Truncate longer prompts from the left (with a warning); None: no limit."}
+        default=2048, metadata={"help": "Truncate longer prompts from the left (with a warning); None: no limit."}
     )
     shuffle_dataset: bool | None = field(default=False, metadata={"help": "Reshuffle the task items every epoch."})
     save_strategy: str = field(default="no", metadata={"help": "TRL checkpoint strategy."})
