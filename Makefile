@@ -40,7 +40,7 @@ test-slow: install-demo
 
 ## The main job: two LoRA agents of the embedded SmolLM2 learn the length-ratio task
 demo: install-demo
-	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py
+	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py --config recipes/configs/length_ratio_smollm2.yaml
 
 ## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL, and the code sandbox; writes benchmarks/results/
 bench: install-demo bench-sandbox

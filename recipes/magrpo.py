@@ -9,7 +9,7 @@ Everything else comes from the command line or a YAML file (TRL's `TrlParser`; t
 
     accelerate launch recipes/magrpo.py --config recipes/configs/length_ratio_smollm2.yaml
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/magrpo.py \
-        --config recipes/configs/writing_qwen2.5_1.5b.yaml
+        --config recipes/configs/writing_qwen3_1.7b.yaml
     python recipes/magrpo.py --task summarize --algorithm marloo --num_generations 8 --use_peft false
     python recipes/magrpo.py --agent_models path/to/model_a path/to/model_b   # a heterogeneous team
     python recipes/magrpo.py --dataset_name my_data.jsonl --prompt_column question \
