@@ -1,4 +1,6 @@
-"""The readable progress lines (model-free)."""
+"""The readable progress lines (model-free), and the bar's life cycle around a failed train()."""
+
+import pytest
 
 from comlrl_trl.integrations.progress import format_log_line
 from comlrl_trl.plotting import reward_curve_series
@@ -28,3 +30,20 @@ def test_reward_curve_series_follows_env_step():
     assert reward_curve_series(history) == {"turn_1/reward_mean": ([4, 8], [0.1, 0.2]),
                                             "eval/turn_1/reward_mean": ([0], [0.3]),
                                             "turn_2/reward_mean": ([8], [0.4])}
+
+
+def test_a_failed_train_closes_the_progress_bar(qwen_path, prompts_dataset, make_config):
+    """A bar left open is printed again when it is garbage-collected (at exit: after pytest's summary line)."""
+    from comlrl_trl.integrations.progress import TeamProgressCallback
+    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+    def failing_reward(first, second, *, batch_items):
+        raise RuntimeError("reward service down")
+
+    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=failing_reward,
+                            train_dataset=prompts_dataset, args=make_config())
+    bars = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TeamProgressCallback)]
+    assert len(bars) == 1
+    with pytest.raises(RuntimeError, match="reward service down"):
+        trainer.train()
+    assert bars[0].bar is None

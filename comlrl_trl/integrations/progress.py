@@ -46,6 +46,10 @@ class TeamProgressCallback(TrainerCallback):
             print(line)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Close the bar (also when training stopped with an error, so it is not printed again at exit)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

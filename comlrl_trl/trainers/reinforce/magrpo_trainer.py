@@ -321,6 +321,9 @@ class MAGRPOTrainer(AgentGRPOTrainer):
                 self._save_checkpoint(self.model_wrapped, trial)
         finally:
             lock.release()
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, TeamProgressCallback):
+                    callback.close()
         return output
 
     def _claim_checkpoint_root(self) -> RunLock:
