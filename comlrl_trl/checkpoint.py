@@ -281,6 +281,21 @@ def commit(staging: str, final: str) -> None:
         os.replace(staging, final)
 
 
+def save_staged(root: str, name: str, token: str, write_files, accelerator, should_save: bool,
+                keep: int | None, run_id: str) -> str:
+    """Write `root/name` crash-safely on every process: `write_files(staging)` fills a staging directory, then the
+    saving process renames it into place and prunes `run_id`'s checkpoints beyond `keep`. Returns the final path."""
+    staging, final = staging_dir(root, name, token), os.path.join(root, name)
+    with writing_checkpoint(staging, final):
+        write_files(staging)
+    accelerator.wait_for_everyone()
+    if should_save:
+        commit(staging, final)
+        prune(root, keep, run_id)
+    accelerator.wait_for_everyone()
+    return final
+
+
 def prune(root: str, keep: int | None, run_id: str) -> None:
     """Delete the oldest checkpoints of `run_id` beyond `keep`; the newest is always kept."""
     if keep is None:

@@ -47,9 +47,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             real_commit(staging, final)
 
-        import comlrl_trl.trainers.reinforce.magrpo_trainer as module
-
-        module.commit = dying_commit
+        comlrl_trl.checkpoint.commit = dying_commit  # save_staged looks it up in its own module
 
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
     config = MAGRPOConfig(output_dir=os.path.join(args.checkpoint_dir, "out"), num_generations=2, max_new_tokens=6,

@@ -32,17 +32,14 @@ from ...checkpoint import (
     check_checkpoint_options,
     check_compatible,
     check_writable,
-    commit,
     latest_checkpoint,
     new_staging_token,
-    prune,
     refuse_foreign_checkpoints,
     result_settings,
-    staging_dir,
+    save_staged,
     tokenizer_fingerprint,
     verify_checkpoint,
     write_metadata,
-    writing_checkpoint,
 )
 from ..reinforce.magrpo_trainer import _is_stateful
 from .pairs import load_pairs, save_pairs
@@ -93,16 +90,10 @@ class PreferenceCheckpoints:
             shutil.rmtree(rl_checkpoint, ignore_errors=True)
 
     def _write_checkpoint(self, rl_checkpoint: str | None) -> None:
-        rl, root = self.rl_trainer, self._checkpoint_dir
-        name = f"checkpoint-{self._sequence}"
-        staging, final = staging_dir(root, name, self._staging_token), os.path.join(root, name)
-        with writing_checkpoint(staging, final):
-            self._write_checkpoint_files(staging, rl_checkpoint)
-        rl.accelerator.wait_for_everyone()
-        if rl.args.should_save:
-            commit(staging, final)
-            prune(root, self._checkpoint_total_limit, self._run_id)
-        rl.accelerator.wait_for_everyone()
+        rl = self.rl_trainer
+        final = save_staged(self._checkpoint_dir, f"checkpoint-{self._sequence}", self._staging_token,
+                            lambda staging: self._write_checkpoint_files(staging, rl_checkpoint), rl.accelerator,
+                            rl.args.should_save, self._checkpoint_total_limit, self._run_id)
         self._assets = (self.iteration, os.path.join(final, "preference"))
 
     def _write_checkpoint_files(self, staging: str, rl_checkpoint: str | None) -> None:

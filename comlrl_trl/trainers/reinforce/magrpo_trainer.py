@@ -40,18 +40,15 @@ from ...checkpoint import (
     check_checkpoint_options,
     check_compatible,
     check_writable,
-    commit,
     latest_checkpoint,
     model_fingerprint,
     new_staging_token,
-    prune,
     refuse_foreign_checkpoints,
     result_settings,
-    staging_dir,
+    save_staged,
     tokenizer_fingerprint,
     verify_checkpoint,
     write_metadata,
-    writing_checkpoint,
 )
 from ...formatters import build_formatters
 from ...inputs import check_datasets, fill_small_training_set
@@ -497,16 +494,10 @@ class MAGRPOTrainer(AgentGRPOTrainer):
         """Write `checkpoint-N` for every agent into a staging directory, then rename it into place."""
         root = self._checkpoint_root(trial) or self._get_output_dir(trial=trial)
         sequence = self._checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
-        name = f"{PREFIX_CHECKPOINT_DIR}-{sequence}"
-        staging, final = staging_dir(root, name, self._staging_token), os.path.join(root, name)
-        with writing_checkpoint(staging, final):
-            self._write_checkpoint_files(staging, sequence)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            commit(staging, final)
-            limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
-            prune(root, limit, self._run_id)
-        self.accelerator.wait_for_everyone()
+        limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
+        save_staged(root, f"{PREFIX_CHECKPOINT_DIR}-{sequence}", self._staging_token,
+                    lambda staging: self._write_checkpoint_files(staging, sequence), self.accelerator,
+                    self.args.should_save, limit, self._run_id)
         self._last_saved_step = self.state.global_step
 
     def _write_checkpoint_files(self, staging: str, sequence: int) -> None:
