@@ -155,11 +155,7 @@ def test_offline_run_records_metrics_identity_and_config(offline_wandb, qwen_pat
     trainer.train()
     metrics = trainer.evaluate()
     assert wandb.run is not None and wandb.run.offline
-    wandb.finish()
-
-    files = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(files) == 1, files
-    records = read_run_file(files[0])
+    (records,) = _run_records(tmp_path)
 
     # metrics
     rows = _history_rows(records)
@@ -222,6 +218,13 @@ def test_unknown_wandb_config_key_fails_at_construction(qwen_path, prompts_datas
 
 
 def _run_records(tmp_path):
+    """The records of every finished run under tmp_path/wb.
+
+    `wandb.finish()` returns once the run is handed to the W&B service, which may still be writing the run file (seen
+    on a loaded CI machine: a file without its run record yet). Tearing the service down waits for every write.
+    """
+    wandb.finish()
+    wandb.teardown()
     files = sorted(glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb")))
     return [read_run_file(path) for path in files]
 
@@ -234,7 +237,6 @@ def test_each_trainer_gets_its_own_run(offline_wandb, qwen_path, make_config):
                                 args=make_config(num_generations=2),
                                 wandb_config={"project": "p", "name": name, "dir": str(tmp_path / "wb")})
         trainer.train()
-    wandb.finish()
     names = sorted(next(r.run for r in records if r.WhichOneof("record_type") == "run").display_name
                    for records in _run_records(tmp_path))
     assert names == ["run-1", "run-2"]
