@@ -19,15 +19,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-from magrpo import DEMO_DEFAULTS, _default_model, _formatters, _HelpFormatter, _load_task, _train_and_report
+from common import DEMO_DEFAULTS, HelpFormatter, default_model, team_formatters, train_and_report
 from trl import ModelConfig, get_peft_config
-from user_data import TASKS, DataArguments
+from user_data import TASKS, DataArguments, load_task
 
+from comlrl_trl.algorithms import ACTOR_CRITIC_ALGORITHMS, get_algorithm
 from comlrl_trl.compat import CompatTrlParser
-from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 
 
-TRAINERS = {"iac": (IACTrainer, IACConfig), "maac": (MAACTrainer, MAACConfig)}
 AC_DEFAULTS = {**DEMO_DEFAULTS, "output_dir": "outputs/actor-critic-length-ratio", "num_generations": 1,
                "per_device_train_batch_size": 4, "critic_learning_rate": 1e-3}
 
@@ -40,7 +39,7 @@ class RecipeArguments(DataArguments):
     task: Literal[TASKS] = field(
         default="length_ratio", metadata={"help": "Task module of comlrl_trl.tasks."}
     )
-    algorithm: Literal["iac", "maac"] = field(default="iac", metadata={"help": "IAC or MAAC."})
+    algorithm: Literal[ACTOR_CRITIC_ALGORITHMS] = field(default="iac", metadata={"help": "IAC or MAAC."})
     agent_models: list[str] | None = field(
         default=None, metadata={"help": "One model id or path per agent; default: --model_name_or_path or SmolLM2."}
     )
@@ -67,25 +66,25 @@ def selected_algorithm(argv: list[str]) -> str:
 
 
 def make_parser(algorithm: str = "iac") -> CompatTrlParser:
-    if algorithm not in TRAINERS:
-        raise ValueError(f"--algorithm must be one of {sorted(TRAINERS)}, got {algorithm!r}.")
-    parser = CompatTrlParser((RecipeArguments, TRAINERS[algorithm][1], ModelConfig), description=__doc__,
-                             formatter_class=_HelpFormatter)
+    if algorithm not in ACTOR_CRITIC_ALGORITHMS:
+        raise ValueError(f"--algorithm must be one of {sorted(ACTOR_CRITIC_ALGORITHMS)}, got {algorithm!r}.")
+    parser = CompatTrlParser((RecipeArguments, get_algorithm(algorithm).config_cls, ModelConfig),
+                             description=__doc__, formatter_class=HelpFormatter)
     parser.set_defaults(**AC_DEFAULTS)
     return parser
 
 
 def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
-    task = _load_task(recipe, config)
-    agents = recipe.agent_models or [_default_model(model_args)] * config.num_agents
-    trainer_cls = TRAINERS[recipe.algorithm][0]
+    task = load_task(recipe.task, recipe, config.num_agents, recipe.max_train_items)
+    agents = recipe.agent_models or [default_model(model_args)] * config.num_agents
+    trainer_cls = get_algorithm(recipe.algorithm).trainer_cls
     separate = recipe.algorithm == "maac" or config.use_separate_critic
     peft = get_peft_config(model_args)
     trainer = trainer_cls(
         agents=agents,
         tokenizer=_tokenizers(agents),
         critic_model=(recipe.critic_model or agents[0]) if separate else None,
-        formatters=_formatters(task, recipe),
+        formatters=team_formatters(task, recipe.chat),
         reward_func=task.reward,
         external_transition=task.transition if config.num_turns > 1 else None,
         train_dataset=task.train_dataset,
@@ -95,7 +94,7 @@ def main(recipe: RecipeArguments, config, model_args: ModelConfig) -> dict:
         peft_config=peft,
         critic_peft_config=peft if separate else None,
     )
-    return _train_and_report(trainer, recipe, config, trainer.evaluate)  # args.eval_num_samples items
+    return train_and_report(trainer, recipe, config, trainer.evaluate)  # args.eval_num_samples items
 
 
 def _tokenizers(agents: list[str]):

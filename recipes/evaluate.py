@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from magrpo import _as_chat, _default_model, _HelpFormatter
+from common import HelpFormatter, default_model, model_init_kwargs, team_formatters
 from trl import ModelConfig
 from user_data import TASKS, DataArguments, load_task
 
@@ -60,7 +60,7 @@ class EvaluateArguments(DataArguments):
 
 def make_parser() -> CompatTrlParser:
     parser = CompatTrlParser((EvaluateArguments, MAGRPOConfig, ModelConfig), description=__doc__,
-                       formatter_class=_HelpFormatter)
+                             formatter_class=HelpFormatter)
     parser.set_defaults(**EVAL_DEFAULTS)
     return parser
 
@@ -78,7 +78,7 @@ def resolve_agents(args: EvaluateArguments, num_agents: int, model_args: ModelCo
             raise ValueError(f"--model_dir {args.model_dir!r} holds no agent_0, agent_1, ... directories "
                              "(as trainer.save_model writes them).")
         return [os.path.join(args.model_dir, f"agent_{i}") for i in range(len(names))]
-    return [_default_model(model_args)] * num_agents
+    return [default_model(model_args)] * num_agents
 
 
 def evaluation_items(args: EvaluateArguments, config: MAGRPOConfig):
@@ -125,13 +125,12 @@ class SampleRecorder:
 def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig) -> dict:
     agents = resolve_agents(args, config.num_agents, model_args)
     config.num_agents = len(agents)
-    config.model_init_kwargs = {"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation,
-                                "revision": model_args.model_revision}
+    config.model_init_kwargs = model_init_kwargs(model_args)
     task, items = evaluation_items(args, config)
     recorder = SampleRecorder(task.eval_logger, task.eval_aggregator)
     trainer = MAGRPOTrainer(
         agents=agents,
-        formatters=[_as_chat(f) for f in task.formatters] if args.chat else list(task.formatters),
+        formatters=team_formatters(task, args.chat),
         reward_func=task.reward,
         external_transition=task.transition if config.num_turns > 1 else None,
         eval_dataset=items,
