@@ -81,7 +81,7 @@ PER_AGENT_FIELDS: dict[str, Callable[[Any], str | None]] = {
     "max_completion_length": _positive_int,
     "generation_kwargs": _mapping,
 }
-# The spec's names of two of them.
+# CoMLRL's documented names of two of them.
 ALIASES = {"agent_learning_rate": "learning_rate", "max_new_tokens": "max_completion_length"}
 
 

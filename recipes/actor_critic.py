@@ -44,7 +44,8 @@ class RecipeArguments(DataArguments):
         default=None, metadata={"help": "One model id or path per agent; default: --model_name_or_path or SmolLM2."}
     )
     critic_model: str | None = field(
-        default=None, metadata={"help": "Critic backbone (copied per agent for IAC); default: the first agent's model."}
+        default=None,
+        metadata={"help": "Critic backbone (copied per agent for IAC); default: the first agent's model."},
     )
     chat: bool = field(default=True, metadata={"help": "Send each agent's prompt as a user message."})
     max_train_items: int | None = field(default=None, metadata={"help": "Use only the first N training items."})

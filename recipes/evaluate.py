@@ -51,7 +51,9 @@ class EvaluateArguments(DataArguments):
     num_samples: int = field(default=1, metadata={"help": "Samples (paths) per item, K: pass@k for k <= K."})
     max_items: int | None = field(default=None, metadata={"help": "Evaluate only the first N items."})
     chat: bool = field(default=True, metadata={"help": "Send each agent's prompt as a user message."})
-    output: str | None = field(default=None, metadata={"help": "Metrics JSON path (default output_dir/eval_metrics.json)."})
+    output: str | None = field(
+        default=None, metadata={"help": "Metrics JSON path (default output_dir/eval_metrics.json)."}
+    )
     save_samples: bool = field(
         default=True, metadata={"help": "Also write every sampled path (item, prompts' task id, completions per agent "
                                         "and turn) as JSON lines next to the metrics (*.samples.jsonl)."}

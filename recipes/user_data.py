@@ -75,14 +75,14 @@ def _load(name: str, config: str | None) -> DatasetDict:
     return load_dataset(name, config)  # a hub id, or a directory of data files
 
 
-def load_reward_func(spec: str):
+def load_reward_func(target: str):
     """The function named by `module:function`, where module is importable or a path to a `.py` file."""
-    module_name, sep, function_name = spec.rpartition(":")
+    module_name, sep, function_name = target.rpartition(":")
     if not sep or not module_name or not function_name:
-        raise ValueError(f"--reward_func must look like module:function or path/to/file.py:function, got {spec!r}.")
+        raise ValueError(f"--reward_func must look like module:function or path/to/file.py:function, got {target!r}.")
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
-            raise ValueError(f"--reward_func {spec!r}: no file {module_name!r}.")
+            raise ValueError(f"--reward_func {target!r}: no file {module_name!r}.")
         module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
@@ -90,7 +90,7 @@ def load_reward_func(spec: str):
         module = importlib.import_module(module_name)
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(f"--reward_func {spec!r}: {module_name!r} has no function {function_name!r}.")
+        raise ValueError(f"--reward_func {target!r}: {module_name!r} has no function {function_name!r}.")
     return function
 
 

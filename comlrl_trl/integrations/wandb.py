@@ -1,4 +1,4 @@
-"""Weights & Biases logging driven by the spec's `wandb_config` dictionary.
+"""Weights & Biases logging driven by the `wandb_config` dictionary of CoMLRL's API.
 
 `wandb` is imported only when a run is opened. Metrics are logged against `env_step` (joint-action reward
 evaluations) rather than the optimiser step, as the multi-agent metrics are defined over environment steps.

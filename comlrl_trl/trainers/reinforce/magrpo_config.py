@@ -16,7 +16,7 @@ from ...core.returns import joint_actions_per_item
 from ...hardware import bf16_is_fast, cpu_bf16_pays_off
 
 
-# Defaults shared by the spec fields and their TRL twins. Each pair may be set through either name.
+# Defaults shared by CoMLRL's documented fields and their TRL twins. Each pair may be set through either name.
 _DEFAULT_LEARNING_RATE = 5e-6
 _DEFAULT_MAX_NEW_TOKENS = 256
 # Task items per device and optimiser step when per_device_train_batch_size is left unset. One item per step pays the
@@ -61,7 +61,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             Upper bound on the joint actions one task item may need (J + J^2 + ... + J^T with J = K in `align`
             and K^N in `cross`); a configuration above it is refused, to stop accidental tree explosions.
 
-        > Parameters that control generation (spec names)
+        > Parameters that control generation (CoMLRL's names)
 
         max_new_tokens (`int`, *optional*, defaults to `256`):
             Maximum completion length per agent. Same as TRL's `max_completion_length`; set either one.
@@ -366,26 +366,27 @@ def post_init_with_one_generation(config, post_init) -> None:
             config.generation_batch_size //= 2
 
 
-def _merge_alias(spec_name, spec_value, trl_name, trl_value, default):
-    """Resolve a spec field and its TRL twin: either may be set; both set to different values is an error."""
-    if spec_value is not None and trl_value is not None and spec_value != trl_value:
+def _merge_alias(comlrl_name, comlrl_value, trl_name, trl_value, default):
+    """Resolve a field under CoMLRL's documented name and its TRL twin: either may be set; both set to different
+    values is an error."""
+    if comlrl_value is not None and trl_value is not None and comlrl_value != trl_value:
         raise ValueError(
-            f"{spec_name}={spec_value!r} and {trl_name}={trl_value!r} set the same thing to different values; "
+            f"{comlrl_name}={comlrl_value!r} and {trl_name}={trl_value!r} set the same thing to different values; "
             f"set only one of them."
         )
-    if spec_value is not None:
-        return spec_value
+    if comlrl_value is not None:
+        return comlrl_value
     return trl_value if trl_value is not None else default
 
 
 def _merge_normalization(advantage_normalization, scale_rewards):
-    """`advantage_normalization` is the spec's name for TRL's `scale_rewards` (True: 'group', False: 'none')."""
+    """`advantage_normalization` is CoMLRL's name for TRL's `scale_rewards` (True: 'group', False: 'none')."""
     scale = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
     _check_choice("scale_rewards", scale, ("group", "batch", "none"))
     if advantage_normalization is None:
         return scale != "none", scale
     if advantage_normalization != (scale != "none"):
-        if scale == "group":  # TRL's default: the spec field decides
+        if scale == "group":  # TRL's default: CoMLRL's field decides
             return advantage_normalization, "group" if advantage_normalization else "none"
         raise ValueError(
             f"advantage_normalization={advantage_normalization!r} conflicts with scale_rewards={scale_rewards!r}; "
