@@ -75,12 +75,12 @@ def instrument(clock: PhaseClock) -> None:
     from accelerate.optimizer import AcceleratedOptimizer
     from transformers import Trainer
 
+    from comlrl_trl.adapters.grpo import AgentGRPOTrainer
     from comlrl_trl.orchestrator import JointRolloutOrchestrator
-    from comlrl_trl.trainers.agent import AgentGRPOTrainer
 
     clock.wrap(JointRolloutOrchestrator, "_score_agents", "scoring")
     clock.wrap(JointRolloutOrchestrator, "_score_and_expand", "scoring")
-    clock.wrap(AgentGRPOTrainer, "_generate", "generation")
+    clock.wrap(AgentGRPOTrainer, "generate", "generation")
     clock.wrap(AgentGRPOTrainer, "training_step", "forward/backward")
     clock.wrap(AcceleratedOptimizer, "step", "optimiser")
     clock.wrap(Trainer, "_clip_grad_norm", "optimiser")

@@ -352,3 +352,43 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str) 
         raise ValueError(f"Cannot resume from {path}: the checkpoint does not match this trainer.\n  "
                          + "\n  ".join(differences) + "\nThese settings change the result, so a resumed run must "
                          "keep the checkpoint's values (num_train_epochs and max_steps may grow); or start a new run.")
+
+
+# ----- user objects that carry state across a resume -----
+
+
+def is_stateful(obj, name: str) -> bool:
+    """Whether a user object's state is checkpointed: it has both `state_dict` and `load_state_dict`.
+
+    One without the other is an error: its state could be saved but not restored (or the reverse), and leaving
+    it out silently would make a resumed run differ.
+    """
+    from datasets import IterableDataset
+
+    methods = [method for method in ("state_dict", "load_state_dict") if callable(getattr(obj, method, None))]
+    if len(methods) == 1:
+        missing = "load_state_dict" if methods == ["state_dict"] else "state_dict"
+        raise TypeError(f"{name} ({type(obj).__name__}) defines {methods[0]}() but not {missing}(); define both so "
+                        "that checkpoints save and restore its state, or neither to leave it out of them.")
+    if obj is None or not methods:
+        return False
+    # A streaming dataset's position is restored by the data loader, not by its own state.
+    return not (isinstance(obj, IterableDataset) and type(obj).state_dict is IterableDataset.state_dict)
+
+
+def stateful_objects(candidates: dict[str, Any]) -> dict[str, Any]:
+    """The candidates (name -> user object) whose state checkpoints keep."""
+    return {name: obj for name, obj in candidates.items() if is_stateful(obj, name)}
+
+
+def objects_state(objects: dict[str, Any]) -> dict[str, Any]:
+    return {name: obj.state_dict() for name, obj in objects.items()}
+
+
+def restore_objects(objects: dict[str, Any], saved: dict[str, Any], checkpoint: str) -> None:
+    """Load every object's saved state; the checkpoint and the trainer must hold the same stateful objects."""
+    if set(objects) != set(saved):
+        raise ValueError(f"Cannot resume from {checkpoint}: the stateful objects differ (checkpoint: "
+                         f"{sorted(saved)}, this trainer: {sorted(objects)}).")
+    for name, obj in objects.items():
+        obj.load_state_dict(saved[name])

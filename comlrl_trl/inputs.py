@@ -1,13 +1,18 @@
-"""Checks of the datasets a trainer is given, done at construction so that bad input fails before any work."""
+"""What a team trainer is given, resolved and checked at construction so that bad input fails before any work:
+the agents' model sources, tokenizers and per-agent options, the trainer's callables, and the datasets."""
 
-from collections.abc import Sized
+import copy
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import torch
+from datasets import IterableDataset
+from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 from trl.trainer.utils import RepeatSampler
 
 from .formatters import check_prompt
+from .loading import load_saved_adapter
 
 
 logger = logging.get_logger(__name__)
@@ -81,3 +86,99 @@ def fill_small_training_set(sampler):
     filled = FilledRepeatSampler.__new__(FilledRepeatSampler)
     filled.__dict__.update(sampler.__dict__)
     return filled
+
+
+# ----- agents -----
+
+
+def resolve_agent_sources(agent_model, agents, num_agents, args) -> list:
+    """The per-agent model sources, checked against `agent_model`, `num_agents` and `args.num_agents`."""
+    if agents is not None:
+        if isinstance(agents, (str, PreTrainedModel)) or not isinstance(agents, Sequence) or len(agents) == 0:
+            raise TypeError("agents must be a non-empty list of model ids, paths or models (one per agent).")
+        if any(agent is None for agent in agents):
+            raise ValueError("agents entries must not be None.")
+        sources = list(agents)
+        if agent_model is not None:
+            expected = model_name(agent_model)
+            names = [model_name(agent) for agent in sources]
+            if any(name != expected for name in names):
+                raise ValueError(
+                    f"agent_model and agents conflict: {expected!r} != {names}. Pass agents alone for a "
+                    "heterogeneous team, or agent_model alone for copies of one model."
+                )
+        if num_agents is not None and num_agents != len(sources):
+            raise ValueError(f"agents has {len(sources)} entries but num_agents={num_agents}.")
+        return sources
+    if agent_model is None:
+        raise ValueError("Either agent_model (one model for all agents) or agents (one per agent) must be provided.")
+    n = num_agents if num_agents is not None else (args.num_agents if args is not None else 2)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_agents must be a positive integer, got {n!r}.")
+    if not isinstance(agent_model, str) and n > 1:
+        raise ValueError(
+            "agent_model must be a model id or path to build several agents (each agent gets its own copy); "
+            "to pass model objects use agents=[model_0, model_1, ...]."
+        )
+    return [agent_model] * n
+
+
+def model_name(source) -> str:
+    """The model id or path of a source: the string itself, or a model object's `config.name_or_path`."""
+    return source if isinstance(source, str) else source.config.name_or_path
+
+
+def resolve_tokenizers(tokenizer, sources) -> list:
+    """One tokenizer per agent: the given one for all, the given list, or each agent's own (loaded, left padding)."""
+    n = len(sources)
+    if isinstance(tokenizer, (list, tuple)):
+        if len(tokenizer) != n:
+            raise ValueError(f"Got {len(tokenizer)} tokenizers for {n} agents: pass one tokenizer or one per agent.")
+        return list(tokenizer)
+    if tokenizer is not None:
+        return [tokenizer] * n
+    if any(not isinstance(source, str) for source in sources):
+        raise ValueError(
+            "Tokenizer(s) must be provided when agents are model objects: pass tokenizer=... (one for all agents "
+            "or a list with one per agent)."
+        )
+    return [AutoTokenizer.from_pretrained(source, padding_side="left") for source in sources]
+
+
+def saved_adapter_or(source):
+    """A saved LoRA agent directory is loaded trainable here; any other source goes to TRL as it is."""
+    adapter = load_saved_adapter(source)
+    return adapter if adapter is not None else source
+
+
+def per_agent(value, n: int, name: str) -> list:
+    """`value` for every agent (copied), or the given list of one per agent."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} agents: pass one for all or one per agent.")
+        return list(value)
+    return [copy.deepcopy(value) for _ in range(n)]
+
+
+def check_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset) -> None:
+    """The team trainer's callables and batch shape, checked before any model is loaded."""
+    if reward_func is None:
+        raise ValueError("reward_func is required: a callable returning one reward per joint action.")
+    if args.num_turns > 1 and external_transition is None:
+        raise ValueError(f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts.")
+    if external_transition is not None and not callable(external_transition):
+        raise TypeError(f"external_transition must be a callable, got {type(external_transition).__name__}.")
+    if (eval_logger is None) != (eval_aggregator is None):
+        raise ValueError("eval_logger and eval_aggregator work together: pass both or neither.")
+    k = args.num_generations
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    if local_rows % k != 0:
+        raise ValueError(
+            f"per_device_train_batch_size * steps_per_generation = {local_rows} must be a multiple of "
+            f"num_generations = {k}, so that every task item's {k} completions per agent stay on one device and "
+            "the joint reward sees whole groups."
+        )
+    if args.log_completions:
+        raise ValueError("log_completions is not supported by multi-agent trainers yet; leave it False.")
+    if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
+        raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")

@@ -67,3 +67,11 @@ def load_exported_weights(model, path: str) -> None:
             raise ValueError(f"Weights in {path} do not match the critic: missing {missing}, unexpected {unexpected}.")
         return
     load_sharded_checkpoint(model, path, strict=False)
+
+
+def attach_value_head(model, head: nn.Module) -> None:
+    """Register `head` as the actor's `value_head`, kept out of `save_pretrained` (it is saved as value_head.pt)."""
+    model.value_head = head
+    if isinstance(model, PreTrainedModel):
+        ignored = set(model._keys_to_ignore_on_save or ())
+        model._keys_to_ignore_on_save = ignored | {f"value_head.{key}" for key in head.state_dict()}

@@ -4,7 +4,7 @@ One rollout of the local generation batch (every task item repeated K = num_gene
 one level per turn:
 
 1. every node (one task item along one branch) asks each agent for K completions; all nodes of a turn go
-   through one batched TRL `_generate` call per agent;
+   through one batched generation per agent (`AgentGRPOTrainer.generate`);
 2. the completions of a node form its joint actions (`align`: K, `cross`: K^N) and the joint reward function
    is called once per node;
 3. before the last turn, every joint action of a node is expanded (unless the node's mean reward exceeds
@@ -13,17 +13,18 @@ one level per turn:
 4. returns are computed bottom-up with the discount (`core.returns`); a completion's return is the mean return
    of the joint actions it takes part in, and its advantage is group-relative among the K sibling completions
    of the same agent at the same node (`core.advantages`), scaled by the turn's gradient weight;
-5. TRL scores every agent's rows of every turn with the rollout and returns handed in, and the turns are
-   joined into one batch per agent.
+5. TRL scores every agent's rows of every turn with the rollout and returns handed in (`AgentGRPOTrainer.score`),
+   and the turns are joined into one batch per agent; the advantages travel beside it, to be set once when the
+   agent's micro-batches are filled.
 """
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from .adapters.grpo import Rollout, completion_text
 from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
@@ -33,7 +34,7 @@ from .joint_reward import JointReward, accepts_keyword
 
 
 if TYPE_CHECKING:
-    from .trainers.agent import AgentGRPOTrainer
+    from .adapters.grpo import AgentGRPOTrainer
 
 
 @dataclass
@@ -50,10 +51,24 @@ class Node:
 
 
 @dataclass
+class Turn:
+    """One turn of a training rollout: its nodes and, per agent, the prompts, TRL rollout and response texts.
+
+    Row r of an agent's prompts, rollout and texts belongs to node `r // num_generations`.
+    """
+
+    nodes: list[Node]
+    prompts: list[list[Any]]  # [agent][row]
+    rollouts: list[Rollout]  # [agent]
+    texts: list[list[str]]  # [agent][row]
+
+
+@dataclass
 class TeamRollout:
     """What one training rollout produced."""
 
-    agent_batches: list[dict[str, Any]]  # one scored TRL batch per agent (all turns), local rows
+    agent_batches: list[dict[str, Any]]  # one scored TRL batch per agent (all turns), local rows, no advantages
+    agent_advantages: list[torch.Tensor]  # one advantage per row of every agent's batch
     turn_rewards: list[list[float]]  # per turn, the mean joint reward of every local node
     turn_returns: list[list[float]]  # per turn, the mean return of every local node
     env_steps: int  # joint actions scored, all processes together
@@ -91,35 +106,37 @@ class JointRolloutOrchestrator:
         k = self.args.num_generations
         if len(rows) % k != 0:
             raise ValueError(f"A generation batch of {len(rows)} rows does not hold whole groups of {k} generations.")
-        nodes = [self._root(item, f"task item {first_item_index + g}") for g, item in enumerate(rows[::k])]
-        turns = []  # per turn: (nodes, rollouts per agent, texts per agent)
+        nodes = [self.root_node(item, f"task item {first_item_index + g}") for g, item in enumerate(rows[::k])]
+        turns: list[Turn] = []
         for turn in range(self.args.num_turns):
             prompts = [[node.prompts[a] for node in nodes for _ in range(k)] for a in range(len(self.agents))]
-            rollouts = [agent._generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts)]
-            texts = [[completion_text(c) for c in rollout[3]] for rollout in rollouts]
+            rollouts = [agent.generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts)]
+            texts = [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
             next_nodes = self._score_and_expand(nodes, texts, turn)
-            turns.append((nodes, prompts, rollouts, texts))
+            turns.append(Turn(nodes, prompts, rollouts, texts))
             if not next_nodes:
                 break
             nodes = next_nodes
 
-        returns = tree_returns([[n.rewards for n in nodes] for nodes, *_ in turns],
-                               [[n.children for n in nodes] for nodes, *_ in turns], self.args.discount)
+        returns = tree_returns([[n.rewards for n in t.nodes] for t in turns],
+                               [[n.children for n in t.nodes] for t in turns], self.args.discount)
         kl_stats = torch.zeros(len(turns), 2, device=self.accelerator.device)  # per turn: KL sum, token count
-        batches = self._score_agents(turns, returns, kl_stats)
+        batches, advantages = self._score_agents(turns, returns, kl_stats)
         kl_stats = self.accelerator.reduce(kl_stats, reduction="sum")
-        scored = self.accelerator.gather(torch.tensor([sum(len(n.rewards) for t in turns for n in t[0])],
+        scored = self.accelerator.gather(torch.tensor([sum(len(n.rewards) for t in turns for n in t.nodes)],
                                                       device=self.accelerator.device))
         return TeamRollout(
             agent_batches=batches,
-            turn_rewards=[[sum(n.rewards) / len(n.rewards) for n in t[0]] for t in turns],
+            agent_advantages=advantages,
+            turn_rewards=[[sum(n.rewards) / len(n.rewards) for n in t.nodes] for t in turns],
             turn_returns=[[sum(r) / len(r) for r in turn_returns] for turn_returns in returns],
             env_steps=int(scored.sum().item()),
-            completions=turns[0][3],
+            completions=turns[0].texts,
             turn_reference_kl=(kl_stats[:, 0] / kl_stats[:, 1].clamp(min=1)).tolist() if self.args.beta else [],
         )
 
-    def _root(self, item: dict[str, Any], label: str) -> Node:
+    def root_node(self, item: dict[str, Any], label: str) -> Node:
+        """The first-turn node of a task item: every agent's formatted prompt."""
         prompts = [format_prompt(formatter, item, a, label=label) for a, formatter in enumerate(self.formatters)]
         return Node(item, label, prompts, [[] for _ in self.agents], [[] for _ in self.agents])
 
@@ -180,46 +197,44 @@ class JointRolloutOrchestrator:
             check_prompt(prompt, a, label, "the external_transition")
         return list(prompts)
 
-    def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:
-        """One scored TRL batch per agent, all turns joined, with the advantages of this algorithm."""
-        return [self._score_agent(a, turns, returns, kl_stats) for a in range(len(self.agents))]
+    def _score_agents(self, turns: list[Turn], returns, kl_stats: torch.Tensor):
+        """Per agent, one scored TRL batch (all turns joined) and the advantages of its rows for this algorithm."""
+        scored = [self._score_agent(a, turns, returns, kl_stats) for a in range(len(self.agents))]
+        return [batch for batch, _ in scored], [advantages for _, advantages in scored]
 
-    def _score_agent(self, a: int, turns, returns, kl_stats: torch.Tensor) -> dict[str, Any]:
-        """Let TRL score agent `a` turn by turn with the injected returns, set our advantages, join the turns."""
+    def _score_agent(self, a: int, turns: list[Turn], returns, kl_stats: torch.Tensor):
+        """TRL's scoring of agent `a` turn by turn with the returns handed in, and its group-relative advantages."""
         agent = self.agents[a]
         weights = self.args.turn_gradient_weights
         process = self.accelerator.process_index
-        batches = []
-        for turn, (nodes, prompts, rollouts, _) in enumerate(turns):
+        batches, advantages = [], []
+        for t, turn in enumerate(turns):
             local_returns = []
-            for node_returns in returns[turn]:
+            for node_returns in returns[t]:
                 local_returns.extend(completion_returns(node_returns, self.joint_indices, len(self.agents),
                                                         self.args.num_generations)[a])
-            batch, global_returns = self._trl_score(agent, nodes, prompts[a], rollouts[a], local_returns, kl_stats,
-                                                    turn)
-            advantages = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
-                                          self.args.scale_rewards)
-            local = slice(process * len(local_returns), (process + 1) * len(local_returns))
-            batch["advantages"] = advantages[local].to(batch["advantages"].dtype)
-            if weights is not None and weights[turn] != 1.0:
-                batch["advantages"] = batch["advantages"] * weights[turn]
+            batch, global_returns = self._trl_score(agent, turn, a, local_returns, kl_stats, t)
+            group = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
+                                     self.args.scale_rewards)
+            local = group[process * len(local_returns):(process + 1) * len(local_returns)]
+            advantages.append(local * weights[t] if weights is not None else local)
             batches.append(batch)
-        return concat_scored_batches(batches, agent.processing_class.pad_token_id)
+        return concat_scored_batches(batches, agent.processing_class.pad_token_id), torch.cat(advantages)
 
-    def _trl_score(self, agent, nodes: list[Node], prompts: list[Any], rollout, local_rewards: list[float],
-                   kl_stats: torch.Tensor, turn: int) -> tuple[dict[str, Any], torch.Tensor]:
-        """TRL's scoring of one agent's rows of one turn with the rewards handed in (gathered over processes).
+    def _trl_score(self, agent, turn: Turn, a: int, local_rewards: list[float], kl_stats: torch.Tensor,
+                   t: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """TRL's scoring of agent `a`'s rows of one turn with the rewards handed in (gathered over processes).
 
-        Returns TRL's batch (its advantages still TRL's) and the gathered rewards; adds the turn's reference KL.
+        Returns TRL's batch and the gathered rewards; adds the turn's reference KL.
         """
+        k = self.args.num_generations
         rows = [{**node.item, "prompt": prompt}
-                for node, prompt in zip((n for n in nodes for _ in range(self.args.num_generations)), prompts)]
+                for node, prompt in zip((n for n in turn.nodes for _ in range(k)), turn.prompts[a])]
         device = self.accelerator.device
         global_rewards = self.accelerator.gather(torch.tensor(local_rewards, dtype=torch.float32, device=device))
-        agent.inject(rollout, global_rewards.unsqueeze(1))
-        batch = GRPOTrainer._generate_and_score_completions(agent, rows)
+        batch = agent.score(rows, turn.rollouts[a], global_rewards)
         if "ref_per_token_logps" in batch:
-            kl_stats[turn] += reference_kl_stats(agent, batch)
+            kl_stats[t] += reference_kl_stats(agent, batch)
         return batch, global_rewards
 
     # ----- evaluation -----
@@ -231,7 +246,7 @@ class JointRolloutOrchestrator:
         Returns `(completions[agent][item][turn], rewards[item][turn], returns[item][turn], prompts[agent][item][turn])`,
         the returns being the discounted suffix returns of each path.
         """
-        nodes = [self._root(item, label) for item, label in zip(items, labels)]
+        nodes = [self.root_node(item, label) for item, label in zip(items, labels)]
         completions = [[[] for _ in items] for _ in self.agents]
         prompts = [[[] for _ in items] for _ in self.agents]
         rewards = [[] for _ in items]
@@ -251,7 +266,7 @@ class JointRolloutOrchestrator:
 
     def sample(self, node_prompts: list[list[Any]]) -> list[list[str]]:
         """One completion per agent for every node: `node_prompts[node][agent]` -> texts `[agent][node]`."""
-        return [[completion_text(c) for c in agent._generate([prompts[a] for prompts in node_prompts])[3]]
+        return [[completion_text(c) for c in agent.generate([prompts[a] for prompts in node_prompts]).completions]
                 for a, agent in enumerate(self.agents)]
 
 
@@ -265,17 +280,9 @@ def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs):
-        logps, _, _ = agent._get_per_token_logps_and_entropies(
-            agent.model, input_ids, attention_mask, batch["completion_ids"].size(1),
-            batch_size=agent.args.per_device_train_batch_size)
+        logps = agent.per_token_logps(agent.model, input_ids, attention_mask, batch["completion_ids"].size(1),
+                                      batch_size=agent.args.per_device_train_batch_size)
     delta = batch["ref_per_token_logps"] - logps
     per_token = torch.exp(delta) - delta - 1  # k3 estimator, as in TRL's loss
     mask = batch["completion_mask"].to(per_token.dtype)
     return torch.stack([(per_token * mask).sum(), mask.sum()])
-
-
-def completion_text(completion: Any) -> str:
-    """TRL returns strings for plain prompts and `[{"role": "assistant", "content": ...}]` for chat prompts."""
-    if isinstance(completion, str):
-        return completion
-    return completion[-1]["content"]

@@ -135,14 +135,6 @@ def value_positions(prompt_ids: torch.Tensor, completion_mask: torch.Tensor | No
     return last_prompt + completion_mask.sum(dim=1).long()
 
 
-def attach_value_head(model, head: nn.Module) -> None:
-    """Register `head` as the actor's `value_head`, kept out of `save_pretrained` (it is saved as value_head.pt)."""
-    model.value_head = head
-    if isinstance(model, PreTrainedModel):
-        ignored = set(model._keys_to_ignore_on_save or ())
-        model._keys_to_ignore_on_save = ignored | {f"value_head.{key}" for key in head.state_dict()}
-
-
 class ValueCapture:
     """Values of an actor's own `value_head` for the policy forward passes that run inside `capture()`.
 

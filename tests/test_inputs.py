@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from helpers import length_ratio_reward
 
-from comlrl_trl import prompt_length
+from comlrl_trl.adapters import grpo as grpo_adapter
 from comlrl_trl.joint_reward import JointReward
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
@@ -180,7 +180,7 @@ def test_non_finite_turn_gradient_weights_are_refused(bad):
 
 def test_long_prompts_are_truncated_from_the_left_with_a_warning(qwen_path, make_config, monkeypatch):
     warnings = []
-    monkeypatch.setattr(prompt_length.logger, "warning", lambda message, *args: warnings.append(message % args))
+    monkeypatch.setattr(grpo_adapter.logger, "warning", lambda message, *args: warnings.append(message % args))
     long_prompt = "word " * 5000 + "Now answer:"
     trainer = _trainer(qwen_path, make_config, dataset=Dataset.from_dict({"prompt": [long_prompt]}),
                        config=dict(max_prompt_length=16))

@@ -90,8 +90,9 @@ def test_orchestrator_advantages_follow_the_mode(qwen_path, make_config):
     rewards = length_ratio_reward(first, second, batch_items=rows[:1])
     # leave-one-out, no normalisation: r_i minus the mean of the other three rewards
     expected = torch.tensor([r - (sum(rewards) - r) / 3 for r in rewards])
-    for batch in rollout.agent_batches:
-        torch.testing.assert_close(batch["advantages"], expected)
+    for batch, advantages in zip(rollout.agent_batches, rollout.agent_advantages, strict=True):
+        assert "advantages" not in batch  # TRL's own group advantages never reach the loss
+        torch.testing.assert_close(advantages, expected)
         # the loss never sees tokens after EOS: the mask covers exactly the generated ids
         lengths = batch["completion_mask"].sum(dim=1)
         assert torch.all(lengths <= batch["completion_ids"].shape[1])
@@ -277,6 +278,7 @@ def test_follower_step_skips_a_missing_gradient_norm():
     missing norm is left out of the logged mean (float(None) used to raise)."""
     from types import SimpleNamespace
 
+    from comlrl_trl.adapters.grpo import AgentGRPOTrainer
     from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
     calls = []
@@ -284,8 +286,9 @@ def test_follower_step_skips_a_missing_gradient_norm():
     follower = SimpleNamespace(
         _clip_grad_norm=lambda model: next(norms), model_wrapped=SimpleNamespace(zero_grad=lambda: calls.append("zero")),
         optimizer=SimpleNamespace(step=lambda: calls.append("step")),
-        accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
+        accelerator=SimpleNamespace(optimizer_step_was_skipped=False), args=SimpleNamespace(max_grad_norm=1.0),
         lr_scheduler=SimpleNamespace(step=lambda: calls.append("schedule")), state=SimpleNamespace())
+    follower.optimizer_step = lambda: AgentGRPOTrainer.optimizer_step(follower)
     team = SimpleNamespace(_team=[None, follower], args=SimpleNamespace(max_grad_norm=1.0), _follower_grad_norms=[[]],
                            state=SimpleNamespace(global_step=0, epoch=0.0))
     MAGRPOTrainer._step_followers(team)

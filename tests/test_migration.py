@@ -198,13 +198,13 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
         args=make_config(num_agents=1, loss_type="dr_grpo", max_grad_norm=0, temperature=1.0, max_new_tokens=max_len,
                          per_device_train_batch_size=8, steps_per_generation=1, max_steps=1,
                          generation_kwargs={"sequence_bias": {(eos,): 6.0}}))  # EOS often: lengths vary
-    score = trainer._generate_and_score_completions
+    fill = trainer.fill_micro_batches
 
-    def keep_batch(inputs):
-        captured["batch"] = score(inputs)
-        return captured["batch"]
+    def keep_batch(batch, advantages):
+        fill(batch, advantages)
+        captured["batch"] = trainer.micro_batch(0)  # steps_per_generation=1: the whole generation, with advantages
 
-    trainer._generate_and_score_completions = keep_batch
+    trainer.fill_micro_batches = keep_batch
     trainer.train()
     lengths = captured["batch"]["completion_mask"].sum(1).tolist()
     assert len(set(lengths)) > 1, lengths  # else every token-normalised loss would agree

@@ -97,10 +97,10 @@ def test_returns_and_advantages_follow_the_tree(qwen_path, make_config):
 
     expected_turn_1 = torch.tensor(centred(*returns_1.tolist()))
     expected_turn_2 = 0.25 * torch.tensor(centred(*children[0]) + centred(*children[1]))
-    for batch in rollout.agent_batches:
-        assert batch["advantages"].shape == (2 + 4,)  # turn-1 rows, then the rows of both turn-2 nodes
-        torch.testing.assert_close(batch["advantages"][:2], expected_turn_1)
-        torch.testing.assert_close(batch["advantages"][2:], expected_turn_2)
+    for batch, advantages in zip(rollout.agent_batches, rollout.agent_advantages, strict=True):
+        assert advantages.shape == batch["completion_ids"].shape[:1] == (2 + 4,)  # turn-1 rows, then both turn-2 nodes
+        torch.testing.assert_close(advantages[:2], expected_turn_1)
+        torch.testing.assert_close(advantages[2:], expected_turn_2)
     assert rollout.turn_returns[0] == pytest.approx([returns_1.mean().item()])
     assert rollout.env_steps == 2 + 4
 

@@ -25,7 +25,7 @@ def test_every_agent_trains_on_each_micro_batch_of_a_generation(qwen_path, make_
     original = follower.training_step
 
     def recording(model, inputs, num_items_in_batch=None):
-        used.append(next(i for i, batch in enumerate(follower._buffered_inputs) if batch is inputs))
+        used.append(next(i for i in range(2) if follower.micro_batch(i) is inputs))
         return original(model, inputs, num_items_in_batch)
 
     follower.training_step = recording
@@ -45,7 +45,7 @@ def test_cross_mode_gives_every_agent_its_own_completion_returns(qwen_path, make
     for model in trainer.agents:
         model.train()
     rollout = trainer.orchestrator.rollout([{"prompt": "Say something:"}] * 2)
-    agent_0, agent_1 = (batch["advantages"].tolist() for batch in rollout.agent_batches)
+    agent_0, agent_1 = (advantages.tolist() for advantages in rollout.agent_advantages)
     assert agent_0 == [1.5, 3.5]
     assert agent_1 == [2.0, 3.0]
 
@@ -71,10 +71,11 @@ def test_actor_critic_advantage_is_the_target_minus_the_value(qwen_path, make_co
             model.value_head.net[-1].weight.zero_()
             model.value_head.net[-1].bias.fill_(bias)
     rollout = trainer.orchestrator.rollout([{"prompt": "Say something:"}, {"prompt": "Say more:"}])
-    for (reward, value, advantage), batch in zip([(0.25, 0.125, 0.125), (0.75, -0.5, 1.25)], rollout.agent_batches):
+    expected = [(0.25, 0.125, 0.125), (0.75, -0.5, 1.25)]
+    for (reward, value, advantage), batch, advantages in zip(expected, rollout.agent_batches, rollout.agent_advantages):
         assert batch["value_targets"].tolist() == [reward, reward]
         assert batch["old_values"].tolist() == [value, value]
-        assert batch["advantages"].tolist() == [advantage, advantage]
+        assert advantages.tolist() == [advantage, advantage]
 
 
 def test_actor_critic_team_reward_is_the_mean_over_agents(qwen_path, make_config):
@@ -95,3 +96,24 @@ def test_actor_critic_team_reward_is_the_mean_over_agents(qwen_path, make_config
     metrics = trainer.evaluate()
     assert metrics["eval/turn_1/reward_mean"] == pytest.approx(2.0)
     assert metrics["eval/turn_2/expected_return"] == pytest.approx(2.0)
+
+
+def test_every_agent_gets_its_rows_through_the_same_entry(qwen_path, make_config, monkeypatch):
+    """Agent 0 (the team trainer) is not special: at every generation each agent, in order, has its micro-batches
+    filled through `fill_micro_batches` with its own advantages, and TRL's own scorer is never the entry."""
+    from comlrl_trl.adapters.grpo import AgentGRPOTrainer
+
+    filled = []
+    original = AgentGRPOTrainer.fill_micro_batches
+
+    def record(self, batch, advantages):
+        assert "advantages" not in batch and advantages.shape == batch["completion_ids"].shape[:1]
+        filled.append(self.agent_index)
+        original(self, batch, advantages)
+
+    monkeypatch.setattr(AgentGRPOTrainer, "fill_micro_batches", record)
+    config = make_config(num_agents=3, num_generations=2, max_new_tokens=4, max_steps=2)
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=lambda a, b, c: [float(len(x)) for x in c],
+                            train_dataset=ITEMS, args=config)
+    trainer.train()
+    assert filled == [0, 1, 2, 0, 1, 2]

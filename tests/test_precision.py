@@ -117,7 +117,7 @@ def test_lora_generation_casts_the_frozen_base_once_and_keeps_it_frozen(qwen_pat
                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
     with torch.profiler.profile(record_shapes=True) as profile:
-        trainer._generate(["Question 1: say a word"] * 4)
+        trainer.generate(["Question 1: say a word"] * 4)
     # The frozen gate and up projections of the 2 layers are [64, 32]: cast to bf16 once each, not once per token.
     casts = [e for e in profile.events() if e.name == "aten::_to_copy" and e.input_shapes[:1] == [[64, 32]]]
     assert len(casts) == 4

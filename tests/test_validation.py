@@ -1,6 +1,7 @@
 """Input validation: trainer construction errors, runtime reward/formatter errors, the formatter and joint reward
 contracts."""
 
+import importlib.util
 import math
 
 import numpy as np
@@ -481,3 +482,9 @@ def test_a_training_set_that_leaves_items_out_of_every_epoch_warns(caplog, items
         assert ("shuffle_dataset=True varies them" in warnings[0]) == (not shuffle)
         batches = len(list(sampler)) // 4 // 8
         assert batches * 8 == items - left_out  # what the sampler really yields per epoch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_names_the_install(build, make_config):
+    with pytest.raises(ImportError, match="make install-vllm"):
+        build(args=make_config(use_vllm=True))

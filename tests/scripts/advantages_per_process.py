@@ -37,7 +37,7 @@ def main(output_dir: str) -> None:
     rank = dist.get_rank()
     rows = [dict(dataset[i]) for i in (rank, rank + 2) for _ in range(2)]  # this rank's two items, K=2 copies
     rollout = trainer.orchestrator.rollout(rows)
-    advantages = [batch["advantages"].tolist() for batch in rollout.agent_batches]
+    advantages = [agent_advantages.tolist() for agent_advantages in rollout.agent_advantages]
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, {"rewards": list(REWARDS), "advantages": advantages})
     if rank == 0:

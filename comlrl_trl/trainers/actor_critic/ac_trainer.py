@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
+from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
+from ...inputs import model_name
 from ...loading import load_causal_lm
 from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
-from ..agent import FollowerGRPOTrainer
-from ..reinforce.magrpo_trainer import MAGRPOTrainer, _model_name
+from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
 from .ac_config import ActorCriticConfig
 from .critics import CRITIC_OPTIMIZERS_NAME
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
@@ -33,18 +34,18 @@ class ValueLossMixin:
 
     value_capture = None  # a ValueCapture when the actor carries a value head
 
-    def _compute_loss(self, model, inputs):
+    def compute_agent_loss(self, model, inputs):
         if self.value_capture is None or "value_targets" not in inputs:
-            return super()._compute_loss(model, inputs)
+            return super().compute_agent_loss(model, inputs)
         with self.value_capture.capture() as captured:
-            loss = super()._compute_loss(model, inputs)
+            loss = super().compute_agent_loss(model, inputs)
         all_values = torch.cat(captured)  # (B, T): the head at every position
         completion_mask = inputs["completion_mask"] if self.args.critic_type == "q" else None
         index = value_positions(inputs["prompt_ids"], completion_mask)
         values = all_values[torch.arange(all_values.size(0), device=all_values.device), index].float()
         vloss = value_loss(values, inputs["value_targets"], inputs["old_values"], self.args.value_clip_range)
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["value_loss"].append(self.accelerator.gather(vloss.detach()).mean().item())
+        self.metrics(mode)["value_loss"].append(self.accelerator.gather(vloss.detach()).mean().item())
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return loss + self.args.value_loss_coef * vloss / normalizer
 
@@ -95,21 +96,20 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         critic_kwargs = self._apply_model_config(model_config, args)
         n = len(agents) if agents is not None else args.num_agents
         critic_sources = self._critic_sources(critic_model, critics, n, args)
+        self.metrics_callback = metrics_callback
+        self._critic_setup = (critic_sources, critic_kwargs, critic_peft_config)  # built with the orchestrator
         super().__init__(agent_model=agent_model, agents=agents, tokenizer=tokenizer, formatters=formatters,
                          reward_func=reward_func, reward_processor=reward_processor, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, args=args, external_transition=external_transition,
                          wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
-        self.metrics_callback = metrics_callback
-        self.critic_set = self._build_critics(critic_sources, critic_kwargs, critic_peft_config)
-        self.orchestrator.critics = self.critic_set
-        self.orchestrator.record_samples = metrics_callback is not None
-        self._rollout_metrics = defaultdict(list)
 
     # ----- construction -----
 
     def _build_orchestrator(self, formatters, joint, external_transition):
+        self.critic_set = self._build_critics(*self._critic_setup)
         rewards = AgentRewards(joint.reward_func, joint.reward_processor, len(self._team))
-        return ActorCriticOrchestrator(self._team, formatters, rewards, self.args, external_transition)
+        return ActorCriticOrchestrator(self._team, formatters, rewards, self.args, self.critic_set,
+                                       external_transition, record_samples=self.metrics_callback is not None)
 
     def _apply_model_config(self, model_config, args) -> dict[str, Any]:
         """Actor loading settings go into `args.model_init_kwargs`; returns the critics' loading settings."""
@@ -150,17 +150,23 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
     # ----- training -----
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        slot = self._step % self.args.steps_per_generation
+        slot = self.slot
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.critic_set.train_slot(slot)
+        self.critic_set.train_micro_batches(slot, [agent.micro_batch(slot) for agent in self._team],
+                                            self._record_metric)
         return loss
+
+    def _record_metric(self, key: str, value: float, agent: int | None = None) -> None:
+        """The critics' metric sink: a team metric, or agent `agent`'s (logged as `agent_i/key`)."""
+        metrics = self._joint_metrics if agent is None else self._team[agent].metrics("train")
+        metrics[key].append(value)
 
     def _step_followers(self):
         super()._step_followers()
         self.critic_set.step()
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
+    def generation_step(self, rows):
+        super().generation_step(rows)
         if self.metrics_callback is not None:
             by_item = defaultdict(list)
             for sample in self.orchestrator.samples:
@@ -169,17 +175,17 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
             metrics = _mean_rows(self._gather_lists(rows))
             if metrics:
                 self.log({"env_step": self.env_step, **metrics})
-        return batch
 
     # ----- evaluation -----
 
-    def evaluate(self) -> dict[str, float]:
-        """Score `args.eval_num_samples` evaluation items, one response per agent per turn (no sample count here).
+    def evaluate(self, num_eval_samples: int | None = None) -> dict[str, float]:
+        """Score the first `num_eval_samples` (default `args.eval_num_samples`) evaluation items, one response per
+        agent per turn.
 
         Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` for every turn k, plus the
         `metrics_callback` values averaged over items with the `eval/` prefix, or `{}` without an eval_dataset.
         """
-        return super().evaluate()
+        return super().evaluate(num_eval_samples)
 
     def _custom_eval_metrics(self, items, completions, prompts) -> dict[str, float]:
         if self.metrics_callback is None:
@@ -200,17 +206,15 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         super().save_model(output_dir, _internal_call=_internal_call)
         self.critic_set.save(output_dir)
 
-    def _save_extra_state(self, checkpoint: str) -> None:
+    def save_team_extra_state(self, checkpoint: str) -> None:
         if self.args.should_save and self.critic_set.optimizer_state():
             torch.save(self.critic_set.optimizer_state(), os.path.join(checkpoint, CRITIC_OPTIMIZERS_NAME))
 
-    def _load_extra_state(self, checkpoint: str) -> None:
+    def load_team_extra_state(self, checkpoint: str) -> None:
         self.critic_set.load(checkpoint)
 
-    def _compatibility(self) -> dict[str, Any]:
-        from ...checkpoint import model_fingerprint
-
-        return {**super()._compatibility(), "critic_type": self.args.critic_type,
+    def compatibility(self) -> dict[str, Any]:
+        return {**super().compatibility(), "critic_type": self.args.critic_type,
                 "critics": [model_fingerprint(critic) for critic in self.critic_set.critics]}
 
     def _run_config(self) -> dict[str, Any]:
@@ -227,8 +231,8 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
 
 
 def _check_same_models(first, first_name: str, entries: Sequence, entries_name: str) -> None:
-    expected = _model_name(first)
-    names = [_model_name(entry) for entry in entries]
+    expected = model_name(first)
+    names = [model_name(entry) for entry in entries]
     if any(name != expected for name in names):
         raise ValueError(f"{first_name} and {entries_name} conflict: {expected!r} != {names}. Pass one of them, or "
                          "the same model in both.")

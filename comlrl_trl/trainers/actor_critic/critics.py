@@ -5,24 +5,25 @@
 - `SeparateCritics` (IAC): one critic model per agent, fed its actor's token ids, each with its own optimiser.
 - `JointCritic` (MAAC): one centralised critic fed the joint text of all agents (first actor's tokenizer).
 
-Each set computes the rollout-time values of every sample (`rollout_values`), trains on the micro-batch the
-actors train on (`train_slot`), steps with the actors' optimiser steps (`step`), and saves and restores itself.
+Each is a `CriticSet`: it computes the rollout-time values of every sample (`rollout_values`), trains on the
+micro-batches the actors train on (`train_micro_batches`, which reports through a metric sink), steps with the
+actors' optimiser steps (`step`), and saves and restores itself.
 """
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from ...core.values import value_loss
 from ...joint_text import joint_text
-from ...loading import load_exported_weights
+from ...loading import attach_value_head, load_exported_weights
 from ...value_models import (
     VALUE_HEAD_NAME,
     CausalLMWithValueHead,
     ValueCapture,
     ValueHead,
-    attach_value_head,
     head_state_dict,
     hidden_size,
     last_token_values,
@@ -32,6 +33,8 @@ from ...value_models import (
 
 
 CRITIC_OPTIMIZERS_NAME = "critic_optimizers.pt"
+# A metric sink: `record(key, value)` for a team metric, `record(key, value, agent_index)` for one agent's.
+MetricSink = Callable[..., None]
 _VALUE_CHUNK = 16  # rows per no-grad value forward at rollout time
 _GRAD_BUCKET_NUMEL = 2**24  # gradient elements per all-reduce of a critic (64 MB in fp32)
 
@@ -70,6 +73,30 @@ def average_gradients(params: list[torch.Tensor], accelerator, bucket_numel: int
             bucket = []
         if p is not None:
             bucket.append(p)
+
+
+class CriticSet(Protocol):
+    """How an actor-critic team holds its critics; the trainer and orchestrator use only these methods."""
+
+    critics: list[CausalLMWithValueHead]  # the critic models (empty when the heads sit on the actors)
+
+    def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
+        """`[agent][turn]` values at rollout time of every row of the scored batches `scored[agent][turn]`."""
+
+    def store(self, targets, old_values) -> None:
+        """Keep what training needs beyond the actors' batches (the joint critic's own samples)."""
+
+    def train_micro_batches(self, slot: int, micro_batches: list[dict[str, Any]], record: MetricSink) -> None:
+        """Accumulate the value loss of micro-step `slot`; `micro_batches[i]` is what actor i trains on."""
+
+    def step(self) -> None:
+        """Step the critics' own optimisers (with the actors' optimiser step)."""
+
+    def optimizer_state(self) -> list[dict]: ...
+
+    def save(self, output_dir: str) -> None: ...
+
+    def load(self, checkpoint: str) -> None: ...
 
 
 class _OwnOptimisers:
@@ -132,7 +159,7 @@ class ActorValueHeads:
     def __init__(self, trainer, hidden_dim: int | None):
         self.trainer = trainer
         self.critics = []
-        for agent in trainer._team:
+        for agent in trainer.agent_trainers:
             model = agent.model
             attach_value_head(model, ValueHead(hidden_size(model), hidden_dim).to(model.device))
             agent.value_capture = ValueCapture(model)
@@ -140,12 +167,12 @@ class ActorValueHeads:
     def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
         critic_type = self.trainer.args.critic_type
         return [[batch_values(agent.model, agent.model.value_head, batch, critic_type) for batch in agent_batches]
-                for agent, agent_batches in zip(self.trainer._team, scored)]
+                for agent, agent_batches in zip(self.trainer.agent_trainers, scored)]
 
     def store(self, targets, old_values) -> None:
         pass  # the targets travel in the agents' batches
 
-    def train_slot(self, slot: int) -> None:
+    def train_micro_batches(self, slot: int, micro_batches: list[dict[str, Any]], record: MetricSink) -> None:
         pass  # trained inside each actor's loss
 
     def step(self) -> None:
@@ -155,13 +182,13 @@ class ActorValueHeads:
         return []
 
     def save(self, output_dir: str) -> None:
-        for i, agent in enumerate(self.trainer._team):
+        for i, agent in enumerate(self.trainer.agent_trainers):
             state = head_state_dict(agent.model.value_head)  # on every process: ZeRO-3 gathers the head
             if self.trainer.args.should_save:
                 torch.save(state, os.path.join(output_dir, f"agent_{i}", VALUE_HEAD_NAME))
 
     def load(self, checkpoint: str) -> None:
-        for i, agent in enumerate(self.trainer._team):
+        for i, agent in enumerate(self.trainer.agent_trainers):
             state = torch.load(os.path.join(checkpoint, f"agent_{i}", VALUE_HEAD_NAME), map_location="cpu",
                                weights_only=True)
             load_head_state_dict(agent.model.value_head, state)
@@ -178,16 +205,15 @@ class SeparateCritics(_OwnOptimisers):
     def store(self, targets, old_values) -> None:
         pass  # the targets travel in the agents' batches
 
-    def train_slot(self, slot: int) -> None:
-        for i, (critic, agent) in enumerate(zip(self.critics, self.trainer._team)):
-            batch = agent._buffered_inputs[slot]
+    def train_micro_batches(self, slot: int, micro_batches: list[dict[str, Any]], record: MetricSink) -> None:
+        for i, (critic, batch) in enumerate(zip(self.critics, micro_batches)):
             ids, mask, index = batch_inputs(batch, self.trainer.args.critic_type)
             loss = self._backward(critic, ids, mask, index, batch, f"The critic of agent {i}")
-            agent._metrics["train"]["value_loss"].append(self.trainer.accelerator.gather(loss).mean().item())
+            record("value_loss", self.trainer.accelerator.gather(loss).mean().item(), i)
 
     def save(self, output_dir: str) -> None:
         if self.trainer.args.should_save:
-            for i, (critic, agent) in enumerate(zip(self.critics, self.trainer._team)):
+            for i, (critic, agent) in enumerate(zip(self.critics, self.trainer.agent_trainers)):
                 critic.save_pretrained(os.path.join(output_dir, f"agent_{i}", "critic"), agent.processing_class)
 
     def load(self, checkpoint: str) -> None:
@@ -205,7 +231,7 @@ class JointCritic(_OwnOptimisers):
         self._slots: list[dict[str, torch.Tensor]] = []
 
     def _texts(self, turns, t: int) -> list[str]:
-        nodes, prompts, _, texts = turns[t]
+        prompts, texts = turns[t].prompts, turns[t].texts
         completions = self.trainer.args.critic_type == "q"
         return [joint_text([agent_prompts[row] for agent_prompts in prompts],
                            [agent_texts[row] for agent_texts in texts] if completions else None)
@@ -214,7 +240,7 @@ class JointCritic(_OwnOptimisers):
     def _max_length(self) -> int | None:
         """Tokens of a joint text: every agent's prompt (`max_prompt_length`) and, for a Q critic, response.
         None without `max_prompt_length` (no limit)."""
-        args, agents = self.trainer.args, len(self.trainer._team)
+        args, agents = self.trainer.args, len(self.trainer.agent_trainers)
         if args.max_prompt_length is None:
             return None
         responses = args.max_completion_length if args.critic_type == "q" else 0
@@ -239,7 +265,7 @@ class JointCritic(_OwnOptimisers):
             values = [critic(*self._encode(texts[start:start + _VALUE_CHUNK])).float()
                       for start in range(0, len(texts), _VALUE_CHUNK)]
             per_turn.append(torch.cat(values))
-        return [per_turn for _ in self.trainer._team]
+        return [per_turn for _ in self.trainer.agent_trainers]
 
     def store(self, targets, old_values) -> None:
         """Keep the joint samples with their targets (the agents' mean), split like the actors' micro-batches."""
@@ -255,12 +281,12 @@ class JointCritic(_OwnOptimisers):
             self._slots.append({"texts": [texts[r] for r in rows], "value_targets": joint_targets[rows],
                                 "old_values": olds[rows]})
 
-    def train_slot(self, slot: int) -> None:
+    def train_micro_batches(self, slot: int, micro_batches: list[dict[str, Any]], record: MetricSink) -> None:
         if slot >= len(self._slots):
             return
-        batch = self._slots[slot]
+        batch = self._slots[slot]  # the joint samples of this micro-step (the actors' micro-batches are per agent)
         loss = self._backward(self.critics[0], *self._encode(batch["texts"]), batch, "The centralised critic")
-        self.trainer._joint_metrics["critic/value_loss"].append(self.trainer.accelerator.gather(loss).mean().item())
+        record("critic/value_loss", self.trainer.accelerator.gather(loss).mean().item())
 
     def save(self, output_dir: str) -> None:
         if self.trainer.args.should_save:

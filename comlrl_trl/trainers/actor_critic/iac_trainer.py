@@ -78,7 +78,7 @@ class IACTrainer(ActorCriticTrainer):
         if not self.args.use_separate_critic:
             return ActorValueHeads(self, self.args.value_head_hidden_dim)
         critics = []
-        for i, (source, agent) in enumerate(zip(sources, self._team)):
+        for i, (source, agent) in enumerate(zip(sources, self.agent_trainers)):
             if i > 0 and source is sources[0] and not isinstance(source, str):
                 source = copy.deepcopy(source)  # one model object given as critic_model: every agent gets a copy
             critics.append(self._load_critic(source, critic_kwargs, copy.deepcopy(critic_peft_config),

@@ -45,7 +45,7 @@ class MAACTrainer(ActorCriticTrainer):
         hidden_dim = self._model_config.get("critic_value_head_hidden_dim")
         if hidden_dim is not None and (isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1):
             raise ValueError(f"model_config['critic_value_head_hidden_dim'] must be a positive integer, got {hidden_dim!r}.")
-        tokenizer = self._team[0].processing_class
+        tokenizer = self.agent_trainers[0].processing_class
         critic = self._load_critic(sources[0], critic_kwargs, critic_peft_config, hidden_dim, tokenizer,
                                    "The centralised critic")
         return JointCritic(self, critic, tokenizer)

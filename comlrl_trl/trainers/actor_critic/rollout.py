@@ -6,14 +6,18 @@ end of an episode and `r_t + gamma * V(s_{t+1})` before it, and `V` is the criti
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...batching import concat_scored_batches
 from ...core.values import broadcast_rewards, td_targets, whiten
 from ...joint_reward import JointReward
-from ...orchestrator import JointRolloutOrchestrator, Node
+from ...orchestrator import JointRolloutOrchestrator, Node, Turn
+
+
+if TYPE_CHECKING:
+    from .critics import CriticSet
 
 
 @dataclass
@@ -51,44 +55,56 @@ class AgentRewards(JointReward):
 
 
 class ActorCriticOrchestrator(JointRolloutOrchestrator):
-    """The MAGRPO rollout with critic-based advantages; `critics` is set by the trainer before training."""
+    """The MAGRPO rollout with critic-based advantages from `critics` (a `CriticSet`).
 
-    critics = None
-    record_samples = False  # keep every sample's RolloutSample in `samples` (for a metrics_callback)
+    With `record_samples`, every training sample's `RolloutSample` is kept in `samples` (for a metrics_callback).
+    """
+
+    def __init__(self, agents, formatters, joint_reward: "AgentRewards", args, critics: "CriticSet",
+                 external_transition=None, record_samples: bool = False):
+        super().__init__(agents, formatters, joint_reward, args, external_transition)
+        self.critics = critics
+        self.record_samples = record_samples
+        self.samples: list[RolloutSample] = []
 
     def _node_rewards(self, joint, node: Node, turn: int) -> list[float]:
         node.agent_rewards = self.joint_reward.matrix(joint, node.item, f"{node.item_label}, turn {turn + 1}")
         return [sum(column) / len(column) for column in zip(*node.agent_rewards)]
 
-    def _score_agents(self, turns, returns, kl_stats: torch.Tensor) -> list[dict[str, Any]]:
+    def _score_agents(self, turns: list[Turn], returns, kl_stats: torch.Tensor):
         n = len(self.agents)
-        scored = [[self._trl_score(self.agents[a], nodes, prompts[a], rollouts[a],
-                                   [r for node in nodes for r in node.agent_rewards[a]], kl_stats, t)[0]
-                   for t, (nodes, prompts, rollouts, _) in enumerate(turns)]
+        scored = [[self._trl_score(self.agents[a], turn, a, [r for node in turn.nodes for r in node.agent_rewards[a]],
+                                   kl_stats, t)[0]
+                   for t, turn in enumerate(turns)]
                   for a in range(n)]  # the agents' own rewards: TRL's reward metrics stay true
         values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
         targets = [[self._targets(a, t, turns, values) for t in range(len(turns))] for a in range(n)]
         self.critics.store(targets, values)
         self.samples = []
+        all_advantages = []
         for a, agent in enumerate(self.agents):
+            agent_advantages = []
             for t, batch in enumerate(scored[a]):
                 advantages = targets[a][t] - values[a][t]
                 if self.args.advantage_normalization:
                     advantages = whiten(advantages, *self._global_moments(advantages))
                 if self.args.turn_gradient_weights is not None:
                     advantages = advantages * self.args.turn_gradient_weights[t]
-                batch["advantages"] = advantages.to(batch["advantages"].dtype)
+                agent_advantages.append(advantages)
                 batch["old_values"], batch["value_targets"] = values[a][t], targets[a][t]
                 if self.record_samples:
-                    self._record(a, t, turns, batch)
-            agent._metrics["train"]["value_mean"].append(self._global_moments(torch.cat(values[a]))[0].item())
-            agent._metrics["train"]["value_target_mean"].append(self._global_moments(torch.cat(targets[a]))[0].item())
-        return [concat_scored_batches(batches, agent.processing_class.pad_token_id)
-                for batches, agent in zip(scored, self.agents)]
+                    self._record(a, t, turns, batch, advantages)
+            all_advantages.append(torch.cat(agent_advantages))
+            agent.metrics("train")["value_mean"].append(self._global_moments(torch.cat(values[a]))[0].item())
+            agent.metrics("train")["value_target_mean"].append(
+                self._global_moments(torch.cat(targets[a]))[0].item())
+        batches = [concat_scored_batches(batches, agent.processing_class.pad_token_id)
+                   for batches, agent in zip(scored, self.agents)]
+        return batches, all_advantages
 
     def _targets(self, a: int, t: int, turns, values) -> torch.Tensor:
         """`r` at the end of an episode, `r + gamma * V(next node)` before it (V: mean over the node's samples)."""
-        nodes, k = turns[t][0], self.args.num_generations
+        nodes, k = turns[t].nodes, self.args.num_generations
         rewards = [r for node in nodes for r in node.agent_rewards[a]]
         node_values = values[a][t + 1].view(-1, k).mean(dim=1).tolist() if t + 1 < len(turns) else []
         next_values = [None if child is None else node_values[child] for node in nodes for child in node.children]
@@ -102,12 +118,12 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
         mean = sums[0] / sums[2]
         return mean, sums[1] / sums[2] - mean * mean
 
-    def _record(self, a: int, t: int, turns, batch: dict[str, Any]) -> None:
-        nodes, prompts, _, texts = turns[t]
-        k = self.args.num_generations
+    def _record(self, a: int, t: int, turns: list[Turn], batch: dict[str, Any], advantages: torch.Tensor) -> None:
+        turn, k = turns[t], self.args.num_generations
         values, targets = batch["old_values"].tolist(), batch["value_targets"].tolist()
-        advantages = batch["advantages"].tolist()
-        for row, (node, prompt, text) in enumerate(zip((m for m in nodes for _ in range(k)), prompts[a], texts[a])):
+        advantages = advantages.tolist()
+        rows = zip((m for m in turn.nodes for _ in range(k)), turn.prompts[a], turn.texts[a])
+        for row, (node, prompt, text) in enumerate(rows):
             self.samples.append(RolloutSample(a, prompt, text, {
                 "turn_idx": t, "generation_idx": row % k, "batch_item": node.item, "item_label": node.item_label,
                 "reward": node.agent_rewards[a][row % k], "value": values[row], "value_target": targets[row],

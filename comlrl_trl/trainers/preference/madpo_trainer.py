@@ -13,10 +13,9 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import pad, selective_log_softmax
 
+from ...adapters.grpo import completion_text
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
-from ...orchestrator import completion_text
-from ..agent import FollowerGRPOTrainer
-from ..reinforce.magrpo_trainer import MAGRPOTrainer
+from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
 from .madpo_config import MADPOConfig
 from .pairs import pair_rng
 
@@ -44,7 +43,7 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 class JointDPOLoss:
     """The loss of one agent's trainer: its joint DPO term on the pair batch it was handed (chosen rows first)."""
 
-    def _compute_loss(self, model, inputs):
+    def compute_agent_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         # Always a forward, also on a process whose items all tied (a zero-weight placeholder pair, see
@@ -63,7 +62,7 @@ class JointDPOLoss:
         totals = self.accelerator.gather(sums[None]).sum(dim=0)
         if totals[-1] > 0:
             for name, total in zip(("dpo/loss", "dpo/accuracy", "dpo/logratio", "dpo/joint_logratio"), totals):
-                self._metrics[mode][name].append((total / totals[-1]).item())
+                self.metrics(mode)[name].append((total / totals[-1]).item())
         return loss / normalizer
 
 
@@ -96,7 +95,7 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
     default_config_cls = MADPOConfig
     follower_cls = MADPOFollower
     algorithm_name = "MADPO"
-    _tag_names = ["trl", "dpo", "comlrl_trl", "madpo"]
+    model_tags = ("trl", "dpo", "comlrl_trl", "madpo")
 
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args")
@@ -114,26 +113,20 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
                 "use_reference_model": self.args.use_reference_model, "pair_selection": self.args.pair_selection,
                 "preference_pairs_per_sample": self.args.preference_pairs_per_sample}
 
-    def _prepare_inputs(self, generation_batch):
-        if isinstance(generation_batch, dict):  # a ready micro-batch
-            return generation_batch
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            slots = self._generate_pair_batches(generation_batch)  # [agent][slot]
-            self._buffered_inputs = slots[0]
-            for follower, agent_slots in zip(self._team[1:], slots[1:]):
-                follower._buffered_inputs = agent_slots
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+    def generation_step(self, rows: list[dict[str, Any]]) -> None:
+        """Sample and pair the candidates of the local generation batch; every agent gets its pair micro-batches."""
+        for agent, agent_slots in zip(self._team, self._generate_pair_batches(rows)):
+            agent.set_micro_batches(agent_slots)
 
     def _generate_pair_batches(self, rows: list[dict[str, Any]]) -> list[list[dict[str, torch.Tensor]]]:
         """Sample, rank and pair the candidates of the local generation batch; one pair batch per agent and slot."""
         args, count = self.args, self.args.num_generations
         items = len(rows) // count * self.accelerator.num_processes
         self._maybe_evaluate(first_item=self._epoch_items, num_items=items)
-        nodes = [self.orchestrator._root(item, f"task item {self._epoch_items + g}") for g, item in enumerate(rows[::count])]
-        rollouts = [agent._generate([node.prompts[a] for node in nodes for _ in range(count)])
+        nodes = [self.orchestrator.root_node(item, f"task item {self._epoch_items + g}") for g, item in enumerate(rows[::count])]
+        rollouts = [agent.generate([node.prompts[a] for node in nodes for _ in range(count)])
                     for a, agent in enumerate(self._team)]
-        texts = [[completion_text(c) for c in rollout[3]] for rollout in rollouts]
+        texts = [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
         item_pairs, means, chosen, rejected = [], [], [], []
         for g, node in enumerate(nodes):
             candidates = [agent_texts[g * count:(g + 1) * count] for agent_texts in texts]
@@ -203,7 +196,7 @@ def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, tor
     """
     weight = [1.0] * len(pairs) if pairs else [0.0]
     pairs = pairs or [(0, 0)]
-    prompt_ids, completion_ids = rollout[0], rollout[1]
+    prompt_ids, completion_ids = rollout.prompt_ids, rollout.completion_ids
     rows = [w for w, _ in pairs] + [r for _, r in pairs]
     device = agent.accelerator.device
     pad_id = agent.processing_class.pad_token_id

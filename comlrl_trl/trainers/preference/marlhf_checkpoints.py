@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
-from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback, TrainerState
 
@@ -34,14 +33,16 @@ from ...checkpoint import (
     check_writable,
     latest_checkpoint,
     new_staging_token,
+    objects_state,
     refuse_foreign_checkpoints,
+    restore_objects,
     result_settings,
     save_staged,
+    stateful_objects,
     tokenizer_fingerprint,
     verify_checkpoint,
     write_metadata,
 )
-from ..reinforce.magrpo_trainer import _is_stateful
 from .pairs import load_pairs, save_pairs
 
 
@@ -109,8 +110,8 @@ class PreferenceCheckpoints:
         if rl_checkpoint is None:
             actors = os.path.join(staging, "actors")
             rl.save_model(actors, _internal_call=True)
-            rl._save_extra_state(actors)
-        Trainer._save_rng_state(rl, staging)
+            rl.save_team_extra_state(actors)
+        rl.save_rng_state(staging)
         if main:
             torch.save(self._progress_state(), os.path.join(staging, STATE_NAME))
         rl.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
@@ -134,11 +135,11 @@ class PreferenceCheckpoints:
         rl = self.rl_trainer
         return {"iteration": self.iteration, "env_step": rl.env_step,
                 "total_pairs": self._total_pairs, "log_history": self.log_history,
-                "objects": {name: obj.state_dict() for name, obj in self._stateful_objects().items()}}
+                "objects": objects_state(self._stateful_objects())}
 
     def _checkpoint_metadata(self) -> dict[str, Any]:
         return {"version": CHECKPOINT_VERSION, "trainer_class": self._class_path(), "sequence": self._sequence,
-                "run_id": self._run_id, "wandb": self.rl_trainer._checkpoint_metadata(self._sequence)["wandb"],
+                "run_id": self._run_id, "wandb": self.rl_trainer.wandb_identity(),
                 "iteration": self.iteration, "compat": self._compatibility()}
 
     def _class_path(self) -> str:
@@ -151,7 +152,7 @@ class PreferenceCheckpoints:
         return {
             "trainer_class": self._class_path(),
             "rl_trainer_class": f"{type(rl).__module__}.{type(rl).__qualname__}",
-            "models": list(rl._model_fingerprints),  # taken at construction, before DeepSpeed changes tensors
+            "models": list(rl.model_fingerprints),  # taken at construction, before DeepSpeed changes tensors
             "tokenizers": [tokenizer_fingerprint(tokenizer) for tokenizer in rl.tokenizers],
             "reward_tokenizer": tokenizer_fingerprint(self.reward_tokenizer),
             "reward_peft": self.reward_peft_config is not None,
@@ -171,8 +172,8 @@ class PreferenceCheckpoints:
         and those the RL stage trainer keeps (datasets, formatters, callbacks)."""
         candidates = {"reward_func": self.task_reward.reward_func, "reward_processor": self.task_reward.reward_processor,
                       "joint_formatter": self.joint_formatter}
-        objects = {f"rl_stage/{name}": obj for name, obj in self.rl_trainer._stateful_objects().items()}
-        return {**objects, **{name: obj for name, obj in candidates.items() if _is_stateful(obj, name)}}
+        objects = {f"rl_stage/{name}": obj for name, obj in self.rl_trainer.stateful_objects().items()}
+        return {**objects, **stateful_objects(candidates)}
 
     # ----- resuming -----
 
@@ -202,20 +203,15 @@ class PreferenceCheckpoints:
         load_model(model, os.path.join(preference, _REWARD_MODEL))
         self._set_reward_model(model)
         self._assets = (self.iteration, preference)
-        objects = self._stateful_objects()
-        if set(objects) != set(state["objects"]):
-            raise ValueError(f"Cannot resume from {checkpoint}: the stateful objects differ (checkpoint: "
-                             f"{sorted(state['objects'])}, this trainer: {sorted(objects)}).")
-        for name, obj in objects.items():
-            obj.load_state_dict(state["objects"][name])
+        restore_objects(self._stateful_objects(), state["objects"], checkpoint)
         rl, rl_dir = self.rl_trainer, os.path.join(checkpoint, "rl")
-        rl.env_step = rl._last_logged_env_step = state["env_step"]
+        rl.restore_env_step(state["env_step"])
         if os.path.isdir(rl_dir):
             resume = rl_dir, TrainerState.load_from_json(os.path.join(rl_dir, TRAINER_STATE_NAME)).global_step
         else:
-            rl._load_from_checkpoint(os.path.join(checkpoint, "actors"))
+            rl.load_checkpoint(os.path.join(checkpoint, "actors"))
             resume = None, None
-        Trainer._load_rng_state(rl, checkpoint)  # last: loading the reward model seeds its head
+        rl.load_rng_state(checkpoint)  # last: loading the reward model seeds its head
         return resume
 
     def _wrap_leftover(self, resumed_step: int | None, checkpoint: str | None) -> None:
@@ -223,7 +219,7 @@ class PreferenceCheckpoints:
         boundary; one written after a resume that trained nothing is dropped, and the RNG of `checkpoint` restored."""
         rl, root = self.rl_trainer, self._rl_root
         if resumed_step is not None and rl.state.global_step == resumed_step:
-            Trainer._load_rng_state(rl, checkpoint)  # TRL restores it only when it trains
+            rl.load_rng_state(checkpoint)  # TRL restores it only when it trains
         elif root is not None and latest_checkpoint(root) is not None:
             self._boundary(latest_checkpoint(root), final=self.iteration + 1 == self.num_iterations)
         if root is not None and rl.args.should_save:
@@ -239,7 +235,7 @@ class StageCheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         owner = self.owner
         rl = owner.rl_trainer
-        path = os.path.join(owner._rl_root, f"checkpoint-{rl._checkpoint_sequence}")
+        path = os.path.join(owner._rl_root, f"checkpoint-{rl.checkpoint_sequence}")
         if os.path.isdir(path) or not args.should_save:
             done = state.global_step >= state.max_steps
             owner._boundary(path, final=done and owner.iteration + 1 == owner.num_iterations)

@@ -6,15 +6,10 @@ from typing import Any, Literal
 
 import torch
 
+from ...algorithms import ACTOR_CRITIC_ALGORITHMS, RL_STAGE_ALGORITHMS, get_algorithm
 from ..actor_critic.ac_config import validate_critic_fields
 from ..reinforce.magrpo_config import post_init_with_one_generation
 from .preference_config import PreferenceConfig
-
-
-RL_ALGORITHMS: tuple[str, ...] = ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac")
-# The REINFORCE family differs only in the group baseline.
-ADVANTAGE_MODES = {"magrpo": "mean", "mareinforce": "raw", "marloo": "rloo", "maremax": "max"}
-ACTOR_CRITIC_ALGORITHMS: tuple[str, ...] = ("iac", "maac")
 
 
 @dataclass
@@ -148,10 +143,10 @@ class MARLHFConfig(PreferenceConfig):
         post_init_with_one_generation(self, super()._grpo_post_init)
 
     def _validate_rl_fields(self):
-        if self.rl_algorithm not in RL_ALGORITHMS:
-            raise ValueError(f"rl_algorithm must be one of {', '.join(map(repr, RL_ALGORITHMS))}; "
+        if self.rl_algorithm not in RL_STAGE_ALGORITHMS:
+            raise ValueError(f"rl_algorithm must be one of {', '.join(map(repr, RL_STAGE_ALGORITHMS))}; "
                              f"got {self.rl_algorithm!r}.")
-        expected = ADVANTAGE_MODES.get(self.rl_algorithm, "mean")
+        expected = get_algorithm(self.rl_algorithm).advantage_mode or "mean"  # the REINFORCE family's baseline
         if self.advantage_mode is not None and self.advantage_mode != expected:
             raise ValueError(f"advantage_mode={self.advantage_mode!r} conflicts with rl_algorithm="
                              f"{self.rl_algorithm!r} (which uses {expected!r}); set only rl_algorithm.")

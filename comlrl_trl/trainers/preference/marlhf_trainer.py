@@ -17,12 +17,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import RewardConfig
 
+from ...adapters.grpo import release_accelerator
+from ...adapters.reward import active_deepspeed_plugin
 from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
+from ...inputs import resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
-from ..agent import release_accelerator
-from ..reinforce.magrpo_trainer import MAGRPOTrainer, _resolve_agent_sources
 from .marlhf_checkpoints import PreferenceCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
 from .pairs import PreferencePair, pair_rng, pair_statistics, pairs_from_candidates, save_pairs
@@ -30,7 +31,6 @@ from .reward_model import (
     JointRewardTrainer,
     LearnedJointReward,
     RewardModelScorer,
-    active_deepspeed_plugin,
     load_reward_backbone,
     load_reward_tokenizer,
 )
@@ -38,7 +38,6 @@ from .rl_stage import (
     build_stage_trainer,
     check_callable,
     default_source,
-    reset_for_new_stage,
     sample_candidates,
     stage_config,
 )
@@ -116,7 +115,7 @@ class MARLHFTrainer(PreferenceCheckpoints):
     ):
         if args is not None and not isinstance(args, self.config_cls):
             raise TypeError(f"args must be a {self.config_cls.__name__}, got {type(args).__name__}.")
-        sources = _resolve_agent_sources(agent_model, agents, num_agents, args)
+        sources = resolve_agent_sources(agent_model, agents, num_agents, args)
         args = args if args is not None else self.config_cls(num_agents=len(sources))
         _validate_inputs(args, reward_func, train_dataset, critic_model, critics, metrics_callback, model_config,
                          critic_peft_config, eval_logger, eval_aggregator, reward_peft_config, joint_formatter)
@@ -242,9 +241,9 @@ class MARLHFTrainer(PreferenceCheckpoints):
         count = args.preference_num_candidates
         process, processes = rl.accelerator.process_index, rl.accelerator.num_processes
         pairs, means = [], []
-        training = [agent.model.training for agent in rl._team]
+        training = [agent.model.training for agent in rl.agent_trainers]
         try:
-            for agent in rl._team:
+            for agent in rl.agent_trainers:
                 agent.model.eval()
             indices, kept = even_shard(len(self.train_dataset), process, processes)
             for position, index in enumerate(indices):
@@ -259,9 +258,9 @@ class MARLHFTrainer(PreferenceCheckpoints):
                                                    args.preference_pairs_per_sample, rng))
                 means.append(sum(rewards) / len(rewards))
         finally:
-            for agent, was_training in zip(rl._team, training):
+            for agent, was_training in zip(rl.agent_trainers, training):
                 agent.model.train(was_training)
-                agent._metrics["eval"].clear()
+                agent.metrics("eval").clear()
         all_pairs = sorted(gather_object(pairs), key=lambda pair: pair.item_index)
         all_means = gather_object(means)
         rl.env_step += count * len(all_means)  # joint candidates scored with the task reward
@@ -322,7 +321,7 @@ class MARLHFTrainer(PreferenceCheckpoints):
     def _rl_stage(self, rl_resume: str | None, rl_step: int | None, checkpoint: str | None):
         rl = self.rl_trainer
         if rl_resume is None:
-            reset_for_new_stage(rl)
+            rl.reset_for_new_stage()
         callback = None
         if self._checkpoint_dir is not None:
             callback = StageCheckpointCallback(self)
@@ -347,9 +346,7 @@ class MARLHFTrainer(PreferenceCheckpoints):
         the task reward, never the learned one. Returns `eval/turn_1/reward_mean`, ... (see [`MAGRPOTrainer`])."""
         rl = self.rl_trainer
         start = len(rl.state.log_history)
-        with self.learned_reward.task_reward_mode():
-            # The team evaluation takes the sample count for every algorithm (actor-critic evaluate() has no argument).
-            metrics = MAGRPOTrainer.evaluate(rl, num_eval_samples)
+        metrics = rl.evaluate(num_eval_samples)  # the stage trainer evaluates with the task reward
         self.log_history.extend(rl.state.log_history[start:])
         return metrics
 

@@ -5,16 +5,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType
-from accelerate.utils.deepspeed import get_active_deepspeed_plugin
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_utils import set_seed
-from trl import RewardTrainer
-from trl.data_utils import get_dataset_column_names
 from trl.trainer.reward_trainer import suppress_seqcls_warning
 from trl.trainer.utils import create_model_from_path
 
+from ...adapters.reward import RewardTrainerAdapter
 from ...formatters import format_prompt
 from ...joint_reward import JointReward
 
@@ -76,35 +72,7 @@ def encode_joint_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
     return encoded
 
 
-def _deepspeed_state_exists() -> bool:
-    return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
-
-
-@contextlib.contextmanager
-def active_deepspeed_plugin(plugin):
-    """Make `plugin` (a `TrainingArguments.deepspeed_plugin`) the process's active DeepSpeed plugin inside the block.
-
-    The agents' Accelerator, created first, owns the process's DeepSpeed plugin, and Accelerate refuses a plugin on
-    any later Accelerator. The reward model's trainer has its own batch size, learning rate and schedule, so its
-    engine must be configured from its own plugin, not from the agents' (whose "auto" values are already filled):
-    this swaps the reward config's plugin in while its trainer is built and trained, and restores the agents' after.
-    Does nothing without DeepSpeed.
-    """
-    if plugin is None or not _deepspeed_state_exists():
-        yield
-        return
-    state = AcceleratorState()
-    previous = state.deepspeed_plugins
-    state.deepspeed_plugins = plugin
-    plugin.select(_from_accelerator_state=True)
-    try:
-        yield
-    finally:
-        state.deepspeed_plugins = previous
-        get_active_deepspeed_plugin(state).select(_from_accelerator_state=True)  # transformers' ZeRO-3 flag too
-
-
-class JointRewardTrainer(RewardTrainer):
+class JointRewardTrainer(RewardTrainerAdapter):
     """
     TRL's [`~trl.RewardTrainer`] for joint responses: Bradley-Terry loss, optional `margin` column and
     `center_rewards_coefficient`, PEFT, logging and Accelerate all stay TRL's.
@@ -119,7 +87,7 @@ class JointRewardTrainer(RewardTrainer):
         Other arguments: as [`~trl.RewardTrainer`].
     """
 
-    _tag_names = ["trl", "reward-trainer", "comlrl_trl", "marlhf"]
+    model_tags = ("trl", "reward-trainer", "comlrl_trl", "marlhf")
 
     def __init__(self, model, args=None, train_dataset=None, processing_class=None, peft_config=None,
                  freeze_backbone: bool = False, **kwargs):
@@ -131,27 +99,11 @@ class JointRewardTrainer(RewardTrainer):
         if freeze_backbone:
             freeze_reward_backbone(self.model)
 
-    def _build_accelerator_args(self, **kwargs):
-        args = super()._build_accelerator_args(**kwargs)
-        # Under DeepSpeed the agents' Accelerator came first; Accelerate refuses a plugin on a second one. This
-        # trainer uses the active plugin, which MARLHF makes the reward config's own (`active_deepspeed_plugin`).
-        if _deepspeed_state_exists():
-            args["deepspeed_plugin"] = None
-        return args
-
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        columns = get_dataset_column_names(dataset)
-        first = next(iter(dataset)) if "chosen" in columns else None
-        if first is not None and "chosen_ids" not in columns and isinstance(first["chosen"], str):
-            def tokenize(row):
-                prefix = row.get("prompt") or ""
-                chosen, rejected = encode_joint_texts(processing_class, [prefix + row["chosen"], prefix + row["rejected"]],
-                                                      args.max_length)
-                return {"chosen_ids": chosen, "rejected_ids": rejected}
-
-            removed = [name for name in ("prompt", "chosen", "rejected") if name in columns]
-            dataset = dataset.map(tokenize, remove_columns=removed, desc=f"Tokenizing {dataset_name} joint texts")
-        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+    def tokenize_row(self, row: dict[str, Any], processing_class, args) -> dict[str, list[int]]:
+        prefix = row.get("prompt") or ""
+        chosen, rejected = encode_joint_texts(processing_class, [prefix + row["chosen"], prefix + row["rejected"]],
+                                              args.max_length)
+        return {"chosen_ids": chosen, "rejected_ids": rejected}
 
 
 class RewardModelScorer:

@@ -10,9 +10,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ...orchestrator import completion_text
-from ..actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from ..agent import release_accelerator
+from ...adapters.grpo import completion_text
+from ...algorithms import get_algorithm
+from ..actor_critic import IACTrainer, MAACTrainer
 from ..reinforce.magrpo_trainer import MAGRPOTrainer
 from .marlhf_config import MARLHFConfig
 from .reward_model import LearnedJointReward
@@ -55,8 +55,8 @@ class MAACStageTrainer(TaskRewardEvaluation, MAACTrainer):
     algorithm_name = "MARLHF-MAAC"
 
 
-# rl_algorithm -> (stage trainer, its configuration class) for the actor-critic back ends
-ACTOR_CRITIC_STAGES = {"iac": (IACStageTrainer, IACConfig), "maac": (MAACStageTrainer, MAACConfig)}
+# rl_algorithm -> stage trainer of the actor-critic back ends (their configuration classes are the registry's)
+ACTOR_CRITIC_STAGES = {"iac": IACStageTrainer, "maac": MAACStageTrainer}
 
 
 def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
@@ -72,7 +72,7 @@ def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
         config = copy.deepcopy(args)  # deepcopy does not rerun __post_init__, so the Accelerate state is kept
         config.num_iterations = rl_num_iterations
         return config
-    _, config_cls = ACTOR_CRITIC_STAGES[args.rl_algorithm]
+    config_cls = get_algorithm(args.rl_algorithm).config_cls
     known = {f for f in config_cls.__dataclass_fields__ if config_cls.__dataclass_fields__[f].init}
     kwargs = {name: value for name, value in args.explicit_fields().items()
               if name in known and name not in _PREFERENCE_FIELDS}
@@ -93,7 +93,7 @@ def build_stage_trainer(args: MARLHFConfig, stage_args, learned_reward: LearnedJ
                   eval_dataset=eval_dataset, args=stage_args, external_transition=external_transition,
                   wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
     if args.uses_actor_critic:
-        trainer_cls, _ = ACTOR_CRITIC_STAGES[args.rl_algorithm]
+        trainer_cls = ACTOR_CRITIC_STAGES[args.rl_algorithm]
         if args.rl_algorithm == "maac" and args.critic_value_head_hidden_dim is not None:
             # MAAC takes its critic head size through model_config; MARLHFConfig has a field for it
             model_config = {**(model_config or {}), "critic_value_head_hidden_dim": args.critic_value_head_hidden_dim}
@@ -106,39 +106,13 @@ def build_stage_trainer(args: MARLHFConfig, stage_args, learned_reward: LearnedJ
     return trainer
 
 
-def reset_for_new_stage(trainer: MAGRPOTrainer) -> None:
-    """Prepare a stage trainer that already trained for another `train()`: fresh agent optimisers and schedulers,
-    no buffered rollout, counters of the previous stage cleared (env_step keeps counting).
-
-    Every agent's Accelerator releases the previous stage's model wrapper, optimiser and DeepSpeed engine (Trainer
-    frees only agent 0's, when its loop starts, and leaves the engine's hooks alive), and the wrapper is dropped so that `_prepare_for_training` wraps the model
-    again: under DeepSpeed, `free_memory()` destroys the engine, and a destroyed engine left in `model_wrapped`
-    would be reused (backward then fails with no engine).
-    """
-    for agent in trainer._team:
-        release_accelerator(agent.accelerator)
-        agent.model_wrapped = agent.model
-        if agent.is_deepspeed_enabled:
-            agent.deepspeed = None
-        agent.optimizer, agent.lr_scheduler = None, None
-        agent._step, agent._buffered_inputs = 0, None
-        agent._metrics["train"].clear()
-    trainer._epoch_items = 0
-    trainer._joint_metrics.clear()
-    trainer._last_logged_env_step = trainer.env_step
-    trainer._last_logged_global_step = 0
-    trainer._follower_loss = [0.0] * (len(trainer._team) - 1)
-    for norms in trainer._follower_grad_norms:
-        norms.clear()
-
-
 def sample_candidates(trainer: MAGRPOTrainer, prompts: list[Any], count: int) -> list[list[str]]:
-    """`count` completions per agent for one task item (`prompts[agent]`): one batched TRL `_generate` per agent.
+    """`count` completions per agent for one task item (`prompts[agent]`): one batched generation per agent.
 
     Returns `[agent][candidate]`; candidate j of every agent forms joint candidate j.
     """
-    return [[completion_text(c) for c in agent._generate([prompts[a]] * count)[3]]
-            for a, agent in enumerate(trainer._team)]
+    return [[completion_text(c) for c in agent.generate([prompts[a]] * count).completions]
+            for a, agent in enumerate(trainer.agent_trainers)]
 
 
 def default_source(sources: list, what: str, name_field: str) -> str:

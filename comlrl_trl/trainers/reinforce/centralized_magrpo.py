@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...centralized import CentralizedCollaboration, TaggedCentralizedComparatorAdapter
+from ...checkpoint import stateful_objects
 from .magrpo_config import MAGRPOConfig
-from .magrpo_trainer import MAGRPOTrainer, _is_stateful
+from .magrpo_trainer import MAGRPOTrainer
 
 
 @dataclass
@@ -65,7 +66,7 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     """
 
     default_config_cls = CentralizedMAGRPOConfig
-    _tag_names = [*MAGRPOTrainer._tag_names, "centralized"]
+    model_tags = (*MAGRPOTrainer.model_tags, "centralized")
 
     def __init__(
         self,
@@ -117,10 +118,10 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     def _run_config(self) -> dict[str, Any]:
         return {**super()._run_config(), "collaboration_mode": "centralized", "num_roles": self.num_roles}
 
-    def _stateful_objects(self) -> dict[str, Any]:
-        objects = super()._stateful_objects()
+    def stateful_objects(self) -> dict[str, Any]:
+        objects = super().stateful_objects()
         candidates = {"role_reward_func": self.collaboration.reward_func,
                       "centralized_adapter": self.collaboration.adapter,
                       **{f"role_formatter_{i}": f for i, f in enumerate(self.collaboration.formatters)}}
-        objects.update({name: obj for name, obj in candidates.items() if _is_stateful(obj, name)})
+        objects.update(stateful_objects(candidates))
         return objects

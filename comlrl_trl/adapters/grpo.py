@@ -1,0 +1,413 @@
+"""The one place that knows TRL's `GRPOTrainer` (and `transformers.Trainer`) internals.
+
+Every private TRL, transformers or Accelerate name that the team trainers need is used here and offered under a
+named, documented method; the orchestrators, critics, MADPO, MARLHF and the checkpoint code call only these. A TRL
+upgrade therefore touches this file (and `tests/test_trl_contract.py`, which pins the behaviour relied on).
+
+Two classes:
+
+- `AgentGRPOTrainer`: one agent of a team. Generation (`generate`), scoring with rewards handed in (`score`), the
+  agent's micro-batches (`fill_micro_batches`, `micro_batch`), its loss (`compute_agent_loss`), optimiser, scheduler,
+  scaler and RNG state, metrics, and the reset between training stages.
+- `TeamGRPOTrainer`: the agent whose `Trainer.train()` loop drives the team. It maps TRL's hooks onto named team
+  hooks: `generation_step` (fill every agent's micro-batches, this one's included, through the same path),
+  `save_checkpoint`, `load_checkpoint` and `load_team_extra_state`.
+"""
+
+import os
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType, is_peft_model
+from transformers import Trainer
+from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+from transformers.utils import logging
+from trl import GRPOTrainer
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+from ..inputs import fill_small_training_set
+
+
+logger = logging.get_logger(__name__)
+
+
+class Rollout(NamedTuple):
+    """What one agent's generation returns, in TRL's order (TRL unpacks it as a plain tuple when scoring)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    tool_mask: Any
+    completions: list[Any]  # strings, or `[{"role": "assistant", "content": ...}]` for chat prompts
+    logprobs: list[list[float]] | None  # sampling log-probabilities (vLLM), for TRL's importance-sampling correction
+    extra_fields: dict[str, Any]
+    images: Any
+    tool_images: Any
+
+
+def completion_text(completion: Any) -> str:
+    """TRL returns strings for plain prompts and `[{"role": "assistant", "content": ...}]` for chat prompts."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"]
+
+
+def joint_reward(prompts=None, completions=None, **kwargs):
+    """Placeholder reward function of every agent trainer: rewards are joint and handed in, never computed here.
+
+    Its name labels TRL's per-agent reward metrics (`rewards/joint_reward/mean`).
+    """
+    raise RuntimeError("joint_reward is computed by the joint-rollout orchestrator and must never be called.")
+
+
+def deepspeed_state_exists() -> bool:
+    """Whether this process already runs an Accelerator under DeepSpeed (whose plugin later Accelerators must reuse)."""
+    return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+
+
+# Hooks DeepSpeedEngine registers on its module that `engine.destroy()` (DeepSpeed 0.19) leaves in place.
+_ENGINE_MODULE_HOOKS = ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check")
+
+
+def release_accelerator(accelerator) -> None:
+    """Free everything `accelerator` prepared (wrapped model, optimiser state, DeepSpeed engine) between trainings.
+
+    `Accelerator.free_memory()` destroys a DeepSpeed engine, but DeepSpeed's `destroy()` leaves the engine's forward
+    hooks on the module, and ZeRO-3 leaves a reference to its optimiser on every parameter: both keep the engine and
+    its optimiser state alive as long as the model lives. They are removed first.
+    """
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        for name in _ENGINE_MODULE_HOOKS:
+            handle = getattr(wrapped.engine, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(wrapped.engine, name, None)
+        for param in wrapped.engine.module.parameters():
+            if hasattr(param, "_z3_optimizer"):  # ZeRO-3's back-reference from every parameter to its optimiser
+                del param._z3_optimizer
+    accelerator.free_memory()
+
+
+class AgentGRPOTrainer(GRPOTrainer):
+    """A `GRPOTrainer` for one agent of a team: generation, scoring and loss are TRL's; rewards come from outside.
+
+    Prompts longer than `args.max_prompt_length` tokens are truncated from the left before generation (the end of a
+    prompt, where the question and the generation prompt sit, is kept), with a warning once per agent.
+    """
+
+    agent_index: int = 0
+    # True for agents after the first: their Accelerator is not the first one of the process.
+    is_follower: bool = False
+    # Tags of the models this trainer pushes to the Hub (TRL's `_tag_names`).
+    model_tags: tuple[str, ...] = ("trl", "grpo", "comlrl_trl")
+    _handed_in: tuple[Rollout, torch.Tensor] | None = None
+    _warned_truncation = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._tag_names = list(cls.model_tags)
+
+    # ----- generation and scoring -----
+
+    def generate(self, prompts: list) -> Rollout:
+        """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding.
+
+        Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
+        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused.
+        """
+        with self.accelerator.autocast(), _frozen_weights_cast_once(self.model, self.accelerator.device.type):
+            return Rollout(*super()._generate(prompts))
+
+    def use_generation_engines(self, engines) -> None:
+        """Generate through the team's vLLM engines (a `comlrl_trl.generation.TeamVLLM`) from now on.
+
+        TRL's own machinery then does the rest as with its `use_vllm`: prompts are tokenised (and truncated) by TRL,
+        completions decoded by TRL, the engine's weights re-synced whenever this agent's optimiser stepped
+        (`sync_weights` on a changed `global_step`), and the importance-sampling correction applied with the
+        engine's sampling log-probabilities.
+        """
+        self.use_vllm = True
+        self.vllm_generation = _TeamEngineSync(engines, self)
+        self._last_loaded_step = -1  # sync before the first generation (weights may have been loaded since)
+        self.rollout_func = _engine_rollout
+
+    def score(self, rows: list[dict[str, Any]], rollout: Rollout, rewards: torch.Tensor) -> dict[str, Any]:
+        """TRL's scored batch of `rollout` for the local `rows`, with the gathered `(B_global,)` rewards handed in.
+
+        Old and reference log-probabilities, masks after EOS, TRL's reward metrics and the importance-sampling
+        correction are TRL's. TRL also computes its own group advantages from the rewards; they are dropped here:
+        advantages enter once, in `fill_micro_batches`.
+        """
+        self._handed_in = (rollout, rewards.unsqueeze(1))
+        try:
+            batch = GRPOTrainer._generate_and_score_completions(self, rows)
+        finally:
+            self._handed_in = None
+        del batch["advantages"]
+        return batch
+
+    def _prepare_inputs(self, generation_batch):
+        # An agent whose loop is the team's is handed ready micro-batches (dicts) by that loop.
+        if isinstance(generation_batch, dict):
+            return generation_batch
+        return super()._prepare_inputs(generation_batch)
+
+    def _generate(self, prompts: list):
+        if self._handed_in is None:
+            raise RuntimeError("Agent trainers generate through generate() and score through score().")
+        return self._handed_in[0]
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self._handed_in is None:
+            raise RuntimeError("Agent trainers score only joint rewards handed in by the orchestrator.")
+        return self._handed_in[1]
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = getattr(self.args, "max_prompt_length", None)
+        lengths = [len(ids) for ids in prompt_ids]
+        if limit is None or max(lengths, default=0) <= limit:
+            return prompt_ids, images, multimodal_fields
+        if images is not None or multimodal_fields:
+            raise ValueError(f"A prompt of agent {self.agent_index} has {max(lengths)} tokens, above "
+                             f"max_prompt_length={limit}, and holds images, which cannot be truncated; shorten it or "
+                             "raise max_prompt_length.")
+        if not self._warned_truncation:
+            self._warned_truncation = True
+            logger.warning(
+                "Agent %d: %d of %d prompts are longer than max_prompt_length=%d tokens (the longest has %d) and are "
+                "truncated from the left. Shorten the prompts, or raise max_prompt_length (None: no limit). This "
+                "warning is shown once per agent.",
+                self.agent_index, sum(n > limit for n in lengths), len(lengths), limit, max(lengths))
+        return [ids[-limit:] for ids in prompt_ids], images, multimodal_fields
+
+    def per_token_logps(self, model, input_ids, attention_mask, logits_to_keep: int, batch_size: int) -> torch.Tensor:
+        """TRL's per-token log-probabilities of the last `logits_to_keep` tokens (temperature applied as in the loss)."""
+        logps, *_ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                            batch_size=batch_size)
+        return logps
+
+    # ----- micro-batches -----
+
+    def fill_micro_batches(self, batch: dict[str, Any], advantages: torch.Tensor) -> None:
+        """Set this generation's training rows: `batch` (from `score`) with its advantages, shuffled and split into
+        `steps_per_generation` micro-batches, as TRL buffers its own."""
+        # First key: TRL's shuffle reads the row count from the first value, which must not be a scalar.
+        batch = {"advantages": advantages.to(batch["completion_ids"].device, torch.float32), **batch}
+        self.set_micro_batches(split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation))
+
+    def set_micro_batches(self, batches: list[dict[str, Any]]) -> None:
+        """Set this generation's micro-batches as they are (one per gradient-accumulation step)."""
+        self._buffered_inputs = list(batches)
+
+    def micro_batch(self, slot: int) -> dict[str, Any]:
+        """The micro-batch trained at accumulation step `slot` of this generation."""
+        return self._buffered_inputs[slot]
+
+    @property
+    def slot(self) -> int:
+        """The micro-batch of the current optimiser micro-step (TRL's step counter modulo `steps_per_generation`)."""
+        return self._step % self.args.steps_per_generation
+
+    @property
+    def needs_generation(self) -> bool:
+        """Whether this micro-step starts a new generation (every `steps_per_generation * num_iterations` steps)."""
+        every = self.args.steps_per_generation * self.num_iterations
+        return self._step % every == 0 or self._buffered_inputs is None
+
+    # ----- loss -----
+
+    def _compute_loss(self, model, inputs):
+        return self.compute_agent_loss(model, inputs)
+
+    def compute_agent_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """The loss of one micro-batch; TRL's GRPO policy loss unless a subclass adds to it or replaces it."""
+        return self.policy_loss(model, inputs)
+
+    def policy_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's clipped policy loss (with its KL term and metrics) on one micro-batch."""
+        return GRPOTrainer._compute_loss(self, model, inputs)
+
+    def metrics(self, mode: str = "train") -> dict[str, list[float]]:
+        """TRL's metric lists of this agent (`mode`: "train" or "eval"), which `log` averages and clears."""
+        return self._metrics[mode]
+
+    # ----- optimisation outside Trainer.train() (agents whose loop is the team's) -----
+
+    def prepare_for_training(self, max_steps: int, resume_from: str | None) -> None:
+        """Wrap the model, create the optimiser and scheduler (restored from `resume_from` when given)."""
+        self._prepare_for_training(max_steps, None, resume_from)
+
+    def optimizer_step(self) -> float | None:
+        """Clip the gradients (`max_grad_norm`), step the optimiser and scheduler, zero the gradients.
+
+        Returns the gradient norm before clipping (None when not clipped, or when DeepSpeed computed none).
+        """
+        grad_norm = None
+        if self.args.max_grad_norm > 0:
+            norm = self._clip_grad_norm(self.model_wrapped)
+            grad_norm = float(norm) if norm is not None else None
+        self.optimizer.step()
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.lr_scheduler.step()
+        self.model_wrapped.zero_grad()
+        return grad_norm
+
+    def reset_training_state(self) -> None:
+        """Forget the previous `train()`: optimiser, scheduler, wrapped model, buffered rollout, train metrics.
+
+        The Accelerator releases the previous model wrapper, optimiser and DeepSpeed engine (Trainer frees only the
+        team agent's, when its loop starts, and leaves the engine's hooks alive), and the wrapper is dropped so that
+        the next preparation wraps the model again: a destroyed engine left in `model_wrapped` would be reused.
+        """
+        release_accelerator(self.accelerator)
+        self.model_wrapped = self.model
+        if self.is_deepspeed_enabled:
+            self.deepspeed = None
+        self.optimizer, self.lr_scheduler = None, None
+        self._step, self._buffered_inputs = 0, None
+        self._metrics["train"].clear()
+
+    # ----- checkpoint files -----
+
+    def save_optimizer_state(self, output_dir: str) -> None:
+        """Write the optimiser and scheduler state (DeepSpeed: the engine's checkpoint) into `output_dir`."""
+        Trainer._save_optimizer_and_scheduler(self, output_dir)
+
+    def load_optimizer_state(self, checkpoint: str | None) -> None:
+        Trainer._load_optimizer_and_scheduler(self, checkpoint)
+
+    def save_rng_state(self, output_dir: str) -> None:
+        """Write the Python, NumPy, torch and device RNG states of this process into `output_dir`."""
+        Trainer._save_rng_state(self, output_dir)
+
+    def load_rng_state(self, checkpoint: str) -> None:
+        Trainer._load_rng_state(self, checkpoint)
+
+    def save_scaler(self, output_dir: str) -> None:
+        Trainer._save_scaler(self, output_dir)
+
+    def load_scaler(self, checkpoint: str) -> None:
+        Trainer._load_scaler(self, checkpoint)
+
+    def load_weights(self, checkpoint: str) -> None:
+        """Load the agent's weights (full or adapter) from a checkpoint's agent directory."""
+        Trainer._load_from_checkpoint(self, checkpoint)
+
+    def checkpoint_root(self, trial=None) -> str:
+        """Where TRL's `save_strategy` writes `checkpoint-N` directories (`args.output_dir`, per trial)."""
+        return self._get_output_dir(trial=trial)
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        # Accelerate refuses a DeepSpeed plugin on a second Accelerator; later agents reuse the active plugin.
+        if self.is_follower and deepspeed_state_exists():
+            args["deepspeed_plugin"] = None
+        return args
+
+
+class _TeamEngineSync:
+    """What TRL's `_generate` calls as `vllm_generation.sync_weights()` when an agent's weights changed."""
+
+    def __init__(self, engines, agent: AgentGRPOTrainer):
+        self.engines = engines
+        self.agent = agent
+
+    def sync_weights(self) -> None:
+        self.engines.sync(self.agent.agent_index, self.agent.accelerator.unwrap_model(self.agent.model))
+
+
+def _engine_rollout(prompts: list, trainer: AgentGRPOTrainer) -> dict[str, Any]:
+    """TRL's `rollout_func` of an agent that generates with the team's engines: TRL's tokenisation, the engine's
+    samples and their log-probabilities."""
+    prompt_ids, images, multimodal_fields = trainer._tokenize_prompts(prompts)
+    if images is not None or multimodal_fields:
+        raise ValueError("use_vllm=True generates from text prompts only; these prompts hold images.")
+    completion_ids, logprobs = trainer.vllm_generation.engines.generate(trainer.agent_index, prompt_ids)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+class TeamGRPOTrainer(AgentGRPOTrainer):
+    """The agent whose `Trainer.train()` loop drives a team: TRL's hooks mapped onto named team hooks.
+
+    Subclasses implement `generation_step` (fill every agent's micro-batches for one generation) and
+    `save_checkpoint`; they may extend `load_checkpoint` and `load_team_extra_state`. This agent's own checkpoint
+    files live in `checkpoint-N/agent_0`.
+    """
+
+    def generation_step(self, rows: list[dict[str, Any]]) -> None:
+        """Generate for the local generation batch `rows` and fill every agent's micro-batches."""
+        raise NotImplementedError
+
+    def save_checkpoint(self, trial=None) -> None:
+        """Write a checkpoint of the whole team."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, checkpoint: str) -> None:
+        """Load the team's weights and extra state from `checkpoint` (not under DeepSpeed; see `_prepare_for_training`)."""
+        self.load_weights(os.path.join(checkpoint, "agent_0"))
+        self.load_team_extra_state(checkpoint)
+
+    def load_team_extra_state(self, checkpoint: str) -> None:
+        """Restore state beyond the agents' own (critics, value heads, ...); subclasses add theirs."""
+
+    # TRL and transformers hooks
+
+    def _prepare_inputs(self, generation_batch):
+        if isinstance(generation_batch, dict) or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        if self.needs_generation:
+            self.generation_step(generation_batch)
+        return self.micro_batch(self.slot)
+
+    def _generate_and_score_completions(self, inputs):
+        raise RuntimeError("A team trainer generates through generation_step(), which fills every agent's batches.")
+
+    def _get_train_sampler(self, dataset=None):
+        return fill_small_training_set(super()._get_train_sampler(dataset))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.save_checkpoint(trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        self.load_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(os.path.join(checkpoint, "agent_0") if checkpoint is not None else None)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if resume_from_checkpoint is None or not self.is_deepspeed_enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # Under DeepSpeed, Trainer loads the engine state from the checkpoint directory itself and skips
+        # `_load_from_checkpoint`; this agent's engine state is in checkpoint-N/agent_0, and the team's other state
+        # (critics, value heads, their optimisers) is restored here.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        agent_dir = os.path.join(resume_from_checkpoint, "agent_0")
+        deepspeed_load_checkpoint(self.model_wrapped, agent_dir, load_module_strict=not is_peft_model(self.model))
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        self.load_scaler(agent_dir)
+        self.load_team_extra_state(resume_from_checkpoint)
+        return model, train_dataloader
+
+
+@contextmanager
+def _frozen_weights_cast_once(model: torch.nn.Module, device_type: str):
+    """While generating under autocast, let autocast cast frozen weights once instead of at every decoding step.
+
+    Autocast keeps the low-precision copy of a weight for the whole autocast region only when the weight requires
+    grad; frozen weights (the base model under LoRA) would be cast again at every token, which makes bf16 generation
+    slower than fp32 on a CPU. Generation runs under `no_grad`, so marking them as requiring grad for its duration
+    builds no graph; they are frozen again afterwards. Skipped when autocast is off or parameters are sharded.
+    """
+    frozen = []
+    if torch.is_autocast_enabled(device_type) and not any(hasattr(p, "ds_id") for p in model.parameters()):
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)

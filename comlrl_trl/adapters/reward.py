@@ -1,0 +1,72 @@
+"""The one place that knows TRL's `RewardTrainer` internals (MARLHF's joint reward model).
+
+`RewardTrainerAdapter` lets a reward trainer live beside the agents' Accelerator (under DeepSpeed it reuses the
+process's active plugin) and tokenises plain-text preference rows through a named hook, `tokenize_row`.
+`active_deepspeed_plugin` swaps the reward configuration's DeepSpeed plugin in while that trainer is built and trained.
+"""
+
+import contextlib
+from typing import Any
+
+from accelerate.state import AcceleratorState
+from accelerate.utils.deepspeed import get_active_deepspeed_plugin
+from trl import RewardTrainer
+from trl.data_utils import get_dataset_column_names
+
+from .grpo import deepspeed_state_exists
+
+
+@contextlib.contextmanager
+def active_deepspeed_plugin(plugin):
+    """Make `plugin` (a `TrainingArguments.deepspeed_plugin`) the process's active DeepSpeed plugin inside the block.
+
+    The agents' Accelerator, created first, owns the process's DeepSpeed plugin, and Accelerate refuses a plugin on
+    any later Accelerator. The reward model's trainer has its own batch size, learning rate and schedule, so its
+    engine must be configured from its own plugin, not from the agents' (whose "auto" values are already filled):
+    this swaps the reward config's plugin in while its trainer is built and trained, and restores the agents' after.
+    Does nothing without DeepSpeed.
+    """
+    if plugin is None or not deepspeed_state_exists():
+        yield
+        return
+    state = AcceleratorState()
+    previous = state.deepspeed_plugins
+    state.deepspeed_plugins = plugin
+    plugin.select(_from_accelerator_state=True)
+    try:
+        yield
+    finally:
+        state.deepspeed_plugins = previous
+        get_active_deepspeed_plugin(state).select(_from_accelerator_state=True)  # transformers' ZeRO-3 flag too
+
+
+class RewardTrainerAdapter(RewardTrainer):
+    """TRL's `RewardTrainer` with the seams MARLHF needs; subclasses implement `tokenize_row`."""
+
+    # Tags of the models this trainer pushes to the Hub (TRL's `_tag_names`).
+    model_tags: tuple[str, ...] = ("trl", "reward-trainer", "comlrl_trl")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._tag_names = list(cls.model_tags)
+
+    def tokenize_row(self, row: dict[str, Any], processing_class, args) -> dict[str, list[int]]:
+        """`{"chosen_ids", "rejected_ids"}` of one row with text `chosen`/`rejected` (and optional `prompt`)."""
+        raise NotImplementedError
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        columns = get_dataset_column_names(dataset)
+        first = next(iter(dataset)) if "chosen" in columns else None
+        if first is not None and "chosen_ids" not in columns and isinstance(first["chosen"], str):
+            removed = [name for name in ("prompt", "chosen", "rejected") if name in columns]
+            dataset = dataset.map(lambda row: self.tokenize_row(row, processing_class, args), remove_columns=removed,
+                                  desc=f"Tokenizing {dataset_name} joint texts")
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        # Under DeepSpeed the agents' Accelerator came first; Accelerate refuses a plugin on a second one. This
+        # trainer uses the active plugin, which MARLHF makes the reward config's own (`active_deepspeed_plugin`).
+        if deepspeed_state_exists():
+            args["deepspeed_plugin"] = None
+        return args

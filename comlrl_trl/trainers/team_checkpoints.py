@@ -1,0 +1,203 @@
+"""Checkpoints of a team trainer (MAGRPO family, actor-critic, MADPO, and the RL stage of MARLHF).
+
+`checkpoint-N/` holds `agent_i/` for every agent (weights or adapter, tokenizer, optimiser, scheduler, scaler),
+`rng_state*.pth`, TRL's `trainer_state.json`, the team's own progress (`comlrl_trl_state.pt`: env_step, followers'
+counters, stateful user objects) and, written last, the metadata with a manifest. It is written into a staging
+directory and renamed into place (`checkpoint.save_staged`), so a crash never leaves a half-written checkpoint.
+"""
+
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..checkpoint import (
+    CHECKPOINT_VERSION,
+    STATE_NAME,
+    RunLock,
+    check_checkpoint_options,
+    check_compatible,
+    check_writable,
+    latest_checkpoint,
+    new_staging_token,
+    objects_state,
+    refuse_foreign_checkpoints,
+    restore_objects,
+    result_settings,
+    save_staged,
+    stateful_objects,
+    tokenizer_fingerprint,
+    verify_checkpoint,
+    write_metadata,
+)
+from ..integrations.wandb import WandbRunCallback
+
+
+class TeamCheckpoints:
+    """The checkpoint half of [`MAGRPOTrainer`]: configuration, resume checks, writing and loading.
+
+    It needs the trainer's `agent_trainers`, `model_fingerprints`, `args`, `state`, `accelerator` and the stateful
+    user objects (`reward_func`, formatters, datasets, ...).
+    """
+
+    # ----- configuration and resume -----
+
+    def _configure_checkpoints(self, checkpoint_dir, interval, total_limit) -> None:
+        check_checkpoint_options(interval, total_limit)
+        if checkpoint_dir is not None and self.args.save_strategy != "no":
+            raise ValueError(
+                "Pass either checkpoint_dir to train() (a checkpoint per completed epoch) or TRL's save_strategy "
+                f"(here {self.args.save_strategy.value!r}), not both."
+            )
+        self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self._checkpoint_interval = interval
+        self._checkpoint_total_limit = total_limit
+        self._last_saved_step = None
+
+    def _claim_checkpoint_root(self) -> RunLock:
+        """Check that the checkpoint root is writable and lock it for this run (one live run per directory)."""
+        self._staging_token = new_staging_token()
+        lock, root = RunLock(), self._checkpoint_root()
+        if root is not None and self.args.should_save:
+            check_writable(root, "checkpoint_dir" if self._checkpoint_dir is not None else "output_dir")
+            lock.acquire(root)
+        return lock
+
+    def _checkpoint_root(self, trial=None) -> str | None:
+        if self._checkpoint_dir is not None:
+            return self._checkpoint_dir
+        return self.checkpoint_root(trial) if self.args.save_strategy != "no" else None
+
+    def _prepare_resume(self, resume_from_checkpoint) -> str | None:
+        """Check the checkpoint against this trainer and the checkpoint root against other runs."""
+        root = self._checkpoint_root()
+        resume = resume_from_checkpoint
+        if resume is True:
+            resume = latest_checkpoint(root or self.args.output_dir)
+            if resume is None:
+                raise FileNotFoundError(f"resume_from_checkpoint=True but {root or self.args.output_dir!r} holds "
+                                        "no complete checkpoint.")
+        elif resume is False:
+            resume = None
+        self._resume_path = os.fspath(resume) if resume is not None else None
+        if self._resume_path is not None:
+            metadata = verify_checkpoint(self._resume_path)
+            check_compatible(metadata["compat"], self.compatibility(), self._resume_path)
+            self._run_id, self.checkpoint_sequence = metadata["run_id"], metadata["sequence"]
+        else:
+            self._run_id, self.checkpoint_sequence = uuid.uuid4().hex, 0
+        refuse_foreign_checkpoints(root, self._run_id)
+        return self._resume_path
+
+    def compatibility(self) -> dict[str, Any]:
+        """What must not change between a checkpoint and the trainer resuming from it."""
+        return {
+            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "num_agents": len(self.agent_trainers),
+            "models": self.model_fingerprints,
+            "tokenizers": [tokenizer_fingerprint(tokenizer) for tokenizer in self.tokenizers],
+            "num_generations": self.args.num_generations,
+            "joint_mode": self.args.joint_mode,
+            "num_turns": self.args.num_turns,
+            **result_settings(self.args),
+        }
+
+    # ----- saving -----
+
+    def save_checkpoint(self, trial=None) -> None:
+        """Write `checkpoint-N` for every agent into a staging directory, then rename it into place."""
+        root = self._checkpoint_root(trial) or self.checkpoint_root(trial)
+        sequence = self.checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
+        limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
+        save_staged(root, f"{PREFIX_CHECKPOINT_DIR}-{sequence}", self._staging_token,
+                    lambda staging: self._write_checkpoint_files(staging, sequence), self.accelerator,
+                    self.args.should_save, limit, self._run_id)
+        self._last_saved_step = self.state.global_step
+
+    def _write_checkpoint_files(self, staging: str, sequence: int) -> None:
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
+        self.store_flos()
+        self.save_model(staging, _internal_call=True)
+        if not self.args.save_only_model:
+            for i, agent in enumerate(self.agent_trainers):
+                agent.save_optimizer_state(os.path.join(staging, f"agent_{i}"))
+            self.save_scaler(staging)
+            self.save_rng_state(staging)
+            self.save_team_extra_state(staging)
+        if self.args.should_save:
+            torch.save(self._team_state(), os.path.join(staging, STATE_NAME))
+            for callback in self.callback_handler.callbacks + [self.control]:
+                if isinstance(callback, ExportableState):
+                    self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
+        if self.args.should_save:
+            write_metadata(staging, self.checkpoint_metadata(sequence))  # last: marks the checkpoint complete
+
+    def save_team_extra_state(self, checkpoint: str) -> None:
+        """Optimisation state beyond the agents' own (critics, ...); subclasses add theirs."""
+
+    def wandb_identity(self) -> dict[str, str] | None:
+        """The W&B run of this trainer (`id`, `project`), kept in checkpoints so that a resume continues it."""
+        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, WandbRunCallback)), None)
+        return callback.identity() if callback is not None else None
+
+    def checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
+        return {
+            "version": CHECKPOINT_VERSION,
+            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "sequence": sequence,
+            "run_id": self._run_id,
+            "wandb": self.wandb_identity(),
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "compat": self.compatibility(),
+        }
+
+    def stateful_objects(self) -> dict[str, Any]:
+        """User objects that carry state across a resume: anything with `state_dict` and `load_state_dict`."""
+        candidates = {"reward_func": self.orchestrator.joint_reward.reward_func,
+                      "reward_processor": self.orchestrator.joint_reward.reward_processor,
+                      "external_transition": self.external_transition, "eval_logger": self.eval_logger,
+                      "eval_aggregator": self.eval_aggregator, "train_dataset": self.train_dataset,
+                      "eval_dataset": self.eval_dataset}
+        candidates.update({f"formatter_{i}": f for i, f in enumerate(self.formatters)})
+        candidates.update({f"callback_{type(c).__name__}": c for c in self.callback_handler.callbacks})
+        return stateful_objects(candidates)
+
+    def _team_state(self) -> dict[str, Any]:
+        return {
+            "env_step": self.env_step,
+            "epoch_items": self._epoch_items,
+            "last_logged_env_step": self._last_logged_env_step,
+            "followers": [{"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
+                          for f in self.agent_trainers[1:]],
+            "objects": objects_state(self.stateful_objects()),
+        }
+
+    # ----- loading -----
+
+    def load_checkpoint(self, checkpoint: str) -> None:
+        """Every agent's weights and the team's extra state (Trainer's resume loads the rest)."""
+        for i, agent in enumerate(self.agent_trainers):
+            agent.load_weights(os.path.join(checkpoint, f"agent_{i}"))
+        self.load_team_extra_state(checkpoint)
+
+    def _load_team_state(self, checkpoint: str) -> None:
+        state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
+        self.env_step = state["env_step"]
+        self._epoch_items = state["epoch_items"]
+        self._last_logged_env_step = state["last_logged_env_step"]
+        self._last_logged_global_step = self.state.global_step
+        for follower, saved in zip(self.agent_trainers[1:], state["followers"]):
+            follower.state.global_step = saved["global_step"]
+            follower.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+        restore_objects(self.stateful_objects(), state["objects"], checkpoint)

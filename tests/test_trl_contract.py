@@ -1,0 +1,103 @@
+"""The TRL (1.16), transformers and Accelerate behaviour that `comlrl_trl.adapters` relies on.
+
+When a library upgrade breaks one of these, the adapters need porting; nothing outside them should.
+"""
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import Trainer
+from trl import GRPOTrainer, RewardTrainer
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+from comlrl_trl.adapters.grpo import Rollout
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+
+def _parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def _returned_names(function) -> list[list[str]]:
+    """The names of every `return a, b, ...` of a function's source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    returns = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple):
+            returns.append([element.id for element in node.value.elts if isinstance(element, ast.Name)])
+    return returns
+
+
+def test_generate_returns_the_rollout_fields_in_order():
+    assert _parameters(GRPOTrainer._generate) == ["self", "prompts"]
+    assert _returned_names(GRPOTrainer._generate) == [list(Rollout._fields)]
+
+
+@pytest.mark.parametrize(("method", "parameters"), [
+    (GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
+    (GRPOTrainer._calculate_rewards, ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
+    (GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
+    (GRPOTrainer._prepare_inputs, ["self", "generation_batch"]),
+    (GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
+    (Trainer._save_rng_state, ["self", "output_dir"]),
+    (Trainer._load_rng_state, ["self", "checkpoint"]),
+    (Trainer._save_optimizer_and_scheduler, ["self", "output_dir"]),
+    (Trainer._load_optimizer_and_scheduler, ["self", "checkpoint"]),
+    (Trainer._save_scaler, ["self", "output_dir"]),
+    (Trainer._load_scaler, ["self", "checkpoint"]),
+    (Trainer._load_from_checkpoint, ["self", "resume_from_checkpoint", "model"]),
+    (Trainer._prepare_for_training, ["self", "max_steps", "train_dataloader", "resume_from_checkpoint"]),
+    (Trainer._clip_grad_norm, ["self", "model"]),
+    (Trainer._get_output_dir, ["self", "trial"]),
+    (Trainer._save_checkpoint, ["self", "model", "trial"]),
+    (RewardTrainer._prepare_dataset, ["self", "dataset", "processing_class", "args", "dataset_name"]),
+])
+def test_private_hook_signatures(method, parameters):
+    assert _parameters(method)[:len(parameters)] == parameters
+
+
+def test_scoring_calls_generate_and_the_reward_hook_once():
+    """`score()` hands the rollout and rewards in through `_generate` and `_calculate_rewards`: TRL's scorer must call
+    each exactly once, and compute advantages from what `_calculate_rewards` returned."""
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert source.count("self._generate(") == 1
+    assert source.count("self._calculate_rewards(") == 1
+
+
+def test_shuffle_reads_the_row_count_from_the_first_value():
+    """`fill_micro_batches` puts the advantages first because of this (a scalar first raises)."""
+    rows = {"advantages": torch.arange(4.0), "num_items_in_batch": torch.tensor(7)}
+    shuffled = shuffle_sequence_dict(rows)
+    assert sorted(shuffled["advantages"].tolist()) == [0.0, 1.0, 2.0, 3.0]
+    assert shuffled["num_items_in_batch"].item() == 7
+    with pytest.raises(TypeError):
+        shuffle_sequence_dict({"num_items_in_batch": torch.tensor(7), "advantages": torch.arange(4.0)})
+    halves = split_tensor_dict(shuffled, 2)
+    assert [len(half["advantages"]) for half in halves] == [2, 2]
+
+
+def test_a_real_agent_scores_a_handed_in_rollout(qwen_path, make_config):
+    """The whole seam on a tiny model: generate, score with given rewards, fill and read back the micro-batches,
+    TRL's step counter and metric store."""
+    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=lambda c: [1.0] * len(c),
+                            train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 2),
+                            args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2,
+                                             max_new_tokens=4))
+    trainer.model.train()
+    rollout = trainer.generate(["Say:"] * 2)
+    assert isinstance(rollout, Rollout) and len(rollout.completion_ids) == 2
+    assert all(len(ids) <= 4 for ids in rollout.completion_ids) and all(isinstance(c, str) for c in rollout.completions)
+    batch = trainer.score([{"prompt": "Say:"}] * 2, rollout, torch.tensor([0.0, 1.0]))
+    assert "advantages" not in batch
+    assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch"} <= set(batch)
+    assert batch["completion_ids"].shape[0] == 2
+    assert trainer.metrics("train")["reward"] == [0.5]  # TRL logged the handed-in rewards' mean
+    trainer.fill_micro_batches(batch, torch.tensor([-1.0, 1.0]))
+    assert sorted(trainer.micro_batch(0)["advantages"].tolist()) == [-1.0, 1.0]
+    assert trainer.slot == 0 and trainer.needs_generation
+    with pytest.raises(RuntimeError, match="generate"):
+        trainer._generate(["Say:"])  # outside score(), generation goes through generate()
