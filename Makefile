@@ -50,8 +50,12 @@ bench: install-demo bench-sandbox
 bench-sandbox: install
 	$(PY) benchmarks/sandbox.py
 
+## Style: ruff's lint rules and its formatter, over every Python directory (CI runs it)
+LINTED := comlrl_trl tests examples recipes benchmarks scripts
 lint: install
-	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check comlrl_trl tests examples
+	$(PY) -m pip install -q ruff==0.17.6
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

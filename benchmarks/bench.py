@@ -33,8 +33,10 @@ TORCH = "torch==2.13.0"
 
 def ensure_peer_venv() -> None:
     """Create the peer's virtual environment once: the same CPU torch first, then comlrl==1.4.3."""
-    if PEER_PYTHON.exists() and subprocess.run([str(PEER_PYTHON), "-c", "import comlrl"],
-                                               capture_output=True).returncode == 0:
+    if (
+        PEER_PYTHON.exists()
+        and subprocess.run([str(PEER_PYTHON), "-c", "import comlrl"], capture_output=True).returncode == 0
+    ):
         return
     print("creating the peer's virtual environment (comlrl==1.4.3), about a minute ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
@@ -46,19 +48,35 @@ def ensure_peer_venv() -> None:
 def measure(system: str, settings: dict, repeats: int) -> dict:
     """Median of `repeats` fresh-process runs of one system."""
     python = str(PEER_PYTHON) if system == "peer" else sys.executable
-    env = {**os.environ, "OMP_NUM_THREADS": str(settings["threads"]), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(settings["threads"]),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env["PYTHONPATH"] = "" if system == "peer" else str(ROOT)
     runs = []
     for _ in range(repeats):
-        result = subprocess.run([python, str(HERE / "workers.py"), system, json.dumps(settings)], env=env,
-                                capture_output=True, text=True, timeout=1800)
+        result = subprocess.run(
+            [python, str(HERE / "workers.py"), system, json.dumps(settings)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         line = next((out for out in result.stdout.splitlines() if out.startswith("RESULT ")), None)
         if result.returncode != 0 or line is None:
             raise RuntimeError(f"{system} failed ({settings}):\n{result.stderr[-3000:]}")
-        runs.append(json.loads(line[len("RESULT "):]))
-    keys = ("joint_samples_per_s", "seconds_per_step", "peak_rss_mb", "seconds", "joint_samples_per_cpu_s",
-            "cpu_seconds")
+        runs.append(json.loads(line[len("RESULT ") :]))
+    keys = (
+        "joint_samples_per_s",
+        "seconds_per_step",
+        "peak_rss_mb",
+        "seconds",
+        "joint_samples_per_cpu_s",
+        "cpu_seconds",
+    )
     return {key: statistics.median(run[key] for run in runs) for key in keys if key in runs[0]} | {"runs": runs}
 
 
@@ -82,10 +100,12 @@ def plan_defaults(paths: dict) -> list[tuple[str, str, dict]]:
         if model not in paths:
             continue
         settings = dict(base, model=paths[model], items=items)
-        rows += [(f"{model} N=2 K=4 defaults", "ours", dict(settings, agents=2)),
-                 (f"{model} N=2 K=4 defaults", "peer", dict(settings, agents=2)),
-                 (f"{model} N=1 K=4 defaults", "ours", dict(settings, agents=1)),
-                 (f"{model} N=1 K=4 defaults", "trl", dict(settings, agents=1))]
+        rows += [
+            (f"{model} N=2 K=4 defaults", "ours", dict(settings, agents=2)),
+            (f"{model} N=2 K=4 defaults", "peer", dict(settings, agents=2)),
+            (f"{model} N=1 K=4 defaults", "ours", dict(settings, agents=1)),
+            (f"{model} N=1 K=4 defaults", "trl", dict(settings, agents=1)),
+        ]
         if model == "smollm2":
             rows.append((f"{model} N=2 K=4 defaults lora", "ours", dict(settings, agents=2, lora=True)))
     return rows
@@ -107,13 +127,15 @@ def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
             rows.append((f"tiny {algorithm.upper()} N=2", system, dict(actor_critic, algorithm=algorithm)))
     if not quick and "smollm2" in paths:
         smol = dict(base, model=paths["smollm2"], tokens=16, items=6)
-        rows += [("smollm2 N=2 K=4 full", "ours", dict(smol, agents=2, k=4)),
-                 ("smollm2 N=2 K=4 full", "peer", dict(smol, agents=2, k=4)),
-                 ("smollm2 N=2 K=4 lora", "ours", dict(smol, agents=2, k=4, lora=True)),
-                 ("smollm2 N=1 K=4 full", "ours", dict(smol, agents=1, k=4)),
-                 ("smollm2 N=1 K=4 full", "trl", dict(smol, agents=1, k=4)),
-                 ("smollm2 IAC N=2", "ours", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac")),
-                 ("smollm2 IAC N=2", "peer", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac"))]
+        rows += [
+            ("smollm2 N=2 K=4 full", "ours", dict(smol, agents=2, k=4)),
+            ("smollm2 N=2 K=4 full", "peer", dict(smol, agents=2, k=4)),
+            ("smollm2 N=2 K=4 lora", "ours", dict(smol, agents=2, k=4, lora=True)),
+            ("smollm2 N=1 K=4 full", "ours", dict(smol, agents=1, k=4)),
+            ("smollm2 N=1 K=4 full", "trl", dict(smol, agents=1, k=4)),
+            ("smollm2 IAC N=2", "ours", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac")),
+            ("smollm2 IAC N=2", "peer", dict(smol, agents=2, k=1, items=16, items_per_step=4, algorithm="iac")),
+        ]
     return rows
 
 
@@ -123,16 +145,19 @@ def summarize_defaults(by: dict) -> dict:
     for model, target in (("smollm2", 3), ("tiny", 2)):
         ours, peer = by.get((f"{model} N=2 K=4 defaults", "ours")), by.get((f"{model} N=2 K=4 defaults", "peer"))
         if ours and peer:
-            out[f"{model} defaults: samples per CPU-s ours/peer (N=2, K=4; target >= {target})"] = \
+            out[f"{model} defaults: samples per CPU-s ours/peer (N=2, K=4; target >= {target})"] = (
                 ours["joint_samples_per_cpu_s"] / peer["joint_samples_per_cpu_s"]
+            )
         one, trl = by.get((f"{model} N=1 K=4 defaults", "ours")), by.get((f"{model} N=1 K=4 defaults", "trl"))
         if one and trl:
-            out[f"{model} defaults: samples per CPU-s ours/TRL (N=1; target >= 1)"] = \
+            out[f"{model} defaults: samples per CPU-s ours/TRL (N=1; target >= 1)"] = (
                 one["joint_samples_per_cpu_s"] / trl["joint_samples_per_cpu_s"]
+            )
     lora, peer = by.get(("smollm2 N=2 K=4 defaults lora", "ours")), by.get(("smollm2 N=2 K=4 defaults", "peer"))
     if lora and peer:
-        out["smollm2 defaults: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = \
+        out["smollm2 defaults: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = (
             lora["peak_rss_mb"] / peer["peak_rss_mb"]
+        )
     return out
 
 
@@ -141,40 +166,49 @@ def summarize(results: list[dict]) -> dict:
     by = {(r["label"].removesuffix(" tuned"), r["system"]): r for r in results}
     out = summarize_defaults(by)
     for model in ("tiny", "smollm2"):
-        ours, peer = by.get((f"{model} N=2 K=4 full", "ours")) or by.get((f"{model} N=2 K=4", "ours")), \
-            by.get((f"{model} N=2 K=4 full", "peer")) or by.get((f"{model} N=2 K=4", "peer"))
+        ours, peer = (
+            by.get((f"{model} N=2 K=4 full", "ours")) or by.get((f"{model} N=2 K=4", "ours")),
+            by.get((f"{model} N=2 K=4 full", "peer")) or by.get((f"{model} N=2 K=4", "peer")),
+        )
         if ours and peer:
-            out[f"{model}: throughput ours/peer (N=2, K=4; target >= 3)"] = \
+            out[f"{model}: throughput ours/peer (N=2, K=4; target >= 3)"] = (
                 ours["joint_samples_per_s"] / peer["joint_samples_per_s"]
-        one, trl = by.get((f"{model} N=1 K=4 full", "ours")) or by.get((f"{model} N=1 K=4", "ours")), \
-            by.get((f"{model} N=1 K=4 full", "trl")) or by.get((f"{model} N=1 K=4", "trl"))
+            )
+        one, trl = (
+            by.get((f"{model} N=1 K=4 full", "ours")) or by.get((f"{model} N=1 K=4", "ours")),
+            by.get((f"{model} N=1 K=4 full", "trl")) or by.get((f"{model} N=1 K=4", "trl")),
+        )
         if one and trl:
-            out[f"{model}: time per step ours/TRL (N=1; target <= 1.15)"] = \
+            out[f"{model}: time per step ours/TRL (N=1; target <= 1.15)"] = (
                 one["seconds_per_step"] / trl["seconds_per_step"]
+            )
     lora, peer = by.get(("smollm2 N=2 K=4 lora", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))
     if lora and peer:
         out["smollm2: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = lora["peak_rss_mb"] / peer["peak_rss_mb"]
     for label in ("tiny IAC N=2", "tiny MAAC N=2", "smollm2 IAC N=2"):
         ours, peer = by.get((label, "ours")), by.get((label, "peer"))
         if ours and peer:
-            out[f"{label.replace(' N=2', '')}: throughput ours/peer (N=2, G=1)"] = \
+            out[f"{label.replace(' N=2', '')}: throughput ours/peer (N=2, G=1)"] = (
                 ours["joint_samples_per_s"] / peer["joint_samples_per_s"]
+            )
     for system in ("ours", "peer"):
         steps = [by.get((f"tiny N={n} K=4", system)) for n in (1, 2, 4)]
         if all(steps):
-            out[f"tiny: time per step N=4 / N=1, {system} (linear would be 4)"] = \
+            out[f"tiny: time per step N=4 / N=1, {system} (linear would be 4)"] = (
                 steps[2]["seconds_per_step"] / steps[0]["seconds_per_step"]
+            )
     return out
 
 
 def print_table(results: list[dict], ratios: dict) -> None:
-    header = (f"{'setting':<30} {'system':<6} {'samples/CPU-s':>14} {'samples/s':>10} {'s/step':>8} "
-              f"{'peak RSS MB':>12}")
+    header = f"{'setting':<30} {'system':<6} {'samples/CPU-s':>14} {'samples/s':>10} {'s/step':>8} {'peak RSS MB':>12}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         per_cpu = f"{r['joint_samples_per_cpu_s']:>14.3f}" if "joint_samples_per_cpu_s" in r else f"{'-':>14}"
-        print(f"{r['label']:<30} {r['system']:<6} {per_cpu} {r['joint_samples_per_s']:>10.2f} "
-              f"{r['seconds_per_step']:>8.3f} {r['peak_rss_mb']:>12.0f}")
+        print(
+            f"{r['label']:<30} {r['system']:<6} {per_cpu} {r['joint_samples_per_s']:>10.2f} "
+            f"{r['seconds_per_step']:>8.3f} {r['peak_rss_mb']:>12.0f}"
+        )
     print()
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
@@ -189,26 +223,45 @@ def chart(results: list[dict], path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for system, marker in (("ours", "o"), ("peer", "s")):
         for n, style in ((1, ":"), (2, "-"), (4, "--")):
-            points = [(r["settings"]["k"], r["seconds_per_step"]) for r in results
-                      if r["system"] == system and r["label"].startswith(f"tiny N={n} ")
-                      and r["label"].endswith(" tuned")]
+            points = [
+                (r["settings"]["k"], r["seconds_per_step"])
+                for r in results
+                if r["system"] == system and r["label"].startswith(f"tiny N={n} ") and r["label"].endswith(" tuned")
+            ]
             if points:
                 ks, seconds = zip(*sorted(points))
                 left.plot(ks, seconds, marker=marker, linestyle=style, label=f"{system} N={n}")
-    left.set(xlabel="K generations per agent", ylabel="seconds per optimiser step", title="tiny model: cost vs N, K",
-             xscale="log", yscale="log")
+    left.set(
+        xlabel="K generations per agent",
+        ylabel="seconds per optimiser step",
+        title="tiny model: cost vs N, K",
+        xscale="log",
+        yscale="log",
+    )
     left.set_xticks([2, 4, 8], labels=["2", "4", "8"])
     left.legend(fontsize=7)
     left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    by = {(r["label"].removesuffix(" tuned"), r["system"]): r["joint_samples_per_s"] for r in results
-          if r["label"].endswith(" tuned")}
-    bars = [(f"tiny N={n} K=4", by.get((f"tiny N={n} K=4", "ours")), by.get((f"tiny N={n} K=4", "peer")))
-            for n in (1, 2, 4)]
-    bars += [("smollm2 N=2 K=4 full", by.get(("smollm2 N=2 K=4 full", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))),
-             ("smollm2 N=2 K=4 LoRA\n(peer: full)", by.get(("smollm2 N=2 K=4 lora", "ours")),
-              by.get(("smollm2 N=2 K=4 full", "peer")))]
-    bars += [(label, by.get((label, "ours")), by.get((label, "peer")))
-             for label in ("tiny IAC N=2", "tiny MAAC N=2", "smollm2 IAC N=2")]
+    by = {
+        (r["label"].removesuffix(" tuned"), r["system"]): r["joint_samples_per_s"]
+        for r in results
+        if r["label"].endswith(" tuned")
+    }
+    bars = [
+        (f"tiny N={n} K=4", by.get((f"tiny N={n} K=4", "ours")), by.get((f"tiny N={n} K=4", "peer")))
+        for n in (1, 2, 4)
+    ]
+    bars += [
+        ("smollm2 N=2 K=4 full", by.get(("smollm2 N=2 K=4 full", "ours")), by.get(("smollm2 N=2 K=4 full", "peer"))),
+        (
+            "smollm2 N=2 K=4 LoRA\n(peer: full)",
+            by.get(("smollm2 N=2 K=4 lora", "ours")),
+            by.get(("smollm2 N=2 K=4 full", "peer")),
+        ),
+    ]
+    bars += [
+        (label, by.get((label, "ours")), by.get((label, "peer")))
+        for label in ("tiny IAC N=2", "tiny MAAC N=2", "smollm2 IAC N=2")
+    ]
     bars = [(label, ours / peer) for label, ours, peer in bars if ours and peer]
     right.barh([label for label, _ in bars], [ratio for _, ratio in bars], color="tab:blue")
     right.axvline(1.0, color="gray", linewidth=1)
@@ -248,8 +301,11 @@ def main() -> None:
         repeats = args.repeats if label.startswith("tiny") else args.demo_repeats
         print(f"measuring {label:<30} {system:<5} ...", end=" ", flush=True)
         result = measure(system, settings, repeats)
-        speed = (f"{result['joint_samples_per_cpu_s']:.3f} joint samples/CPU-s" if settings.get("defaults")
-                 else f"{result['joint_samples_per_s']:.2f} joint samples/s")
+        speed = (
+            f"{result['joint_samples_per_cpu_s']:.3f} joint samples/CPU-s"
+            if settings.get("defaults")
+            else f"{result['joint_samples_per_s']:.2f} joint samples/s"
+        )
         print(f"{speed}, {result['peak_rss_mb']:.0f} MB", flush=True)
         results.append({"label": label, "system": system, "settings": settings, **result})
     ratios = summarize(results)
@@ -258,8 +314,18 @@ def main() -> None:
     out_dir.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
     json_path = args.json or out_dir / f"bench-{'defaults-' if args.defaults else ''}{stamp}.json"
-    json_path.write_text(json.dumps({"date": stamp, "machine": platform.platform(), "cpus": os.cpu_count(),
-                                     "ratios": ratios, "results": results}, indent=2))
+    json_path.write_text(
+        json.dumps(
+            {
+                "date": stamp,
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "ratios": ratios,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     if args.defaults:
         print(f"\nresults: {json_path}")
         return

@@ -27,14 +27,24 @@ def build_model(directory: str) -> str:
     from comlrl_trl.models import demo_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -60,11 +70,22 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device; use benchmarks/bench.py on the CPU.")
     model_dir = build_model(tempfile.mkdtemp(prefix="comlrl-gpu-model-"))
-    config = MAGRPOConfig(output_dir=tempfile.mkdtemp(), num_agents=args.agents, num_generations=args.k,
-                          max_new_tokens=args.tokens, generation_kwargs={"min_new_tokens": args.tokens},
-                          per_device_train_batch_size=args.k * args.items_per_step, learning_rate=1e-6, bf16=True,
-                          num_train_epochs=1, logging_steps=10**9, eval_interval=0, report_to="none",
-                          gradient_checkpointing=True, disable_tqdm=True)
+    config = MAGRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        num_agents=args.agents,
+        num_generations=args.k,
+        max_new_tokens=args.tokens,
+        generation_kwargs={"min_new_tokens": args.tokens},
+        per_device_train_batch_size=args.k * args.items_per_step,
+        learning_rate=1e-6,
+        bf16=True,
+        num_train_epochs=1,
+        logging_steps=10**9,
+        eval_interval=0,
+        report_to="none",
+        gradient_checkpointing=True,
+        disable_tqdm=True,
+    )
     steps = []
 
     class Clock(TrainerCallback):
@@ -72,10 +93,18 @@ def main() -> None:
             steps.append(time.perf_counter())
 
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if args.lora else None
-    dataset = Dataset.from_dict({"prompt": [f"Task {i}: write a paragraph about topic {i}." for i in range(args.items)]})
-    trainer = MAGRPOTrainer(agent_model=model_dir, num_agents=args.agents, train_dataset=dataset, args=config,
-                            reward_func=lambda *lists: [float(sum(map(len, joint)) % 7) for joint in zip(*lists)],
-                            peft_config=lora, callbacks=[Clock()])
+    dataset = Dataset.from_dict(
+        {"prompt": [f"Task {i}: write a paragraph about topic {i}." for i in range(args.items)]}
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=model_dir,
+        num_agents=args.agents,
+        train_dataset=dataset,
+        args=config,
+        reward_func=lambda *lists: [float(sum(map(len, joint)) % 7) for joint in zip(*lists)],
+        peft_config=lora,
+        callbacks=[Clock()],
+    )
     generation = {"seconds": 0.0, "tokens": 0}
     for agent in trainer._team:
         agent._generate = _timed_generate(agent._generate, generation, torch)
@@ -88,19 +117,31 @@ def main() -> None:
     launcher = str(accelerator.distributed_type).split(".")[-1]
     if accelerator.state.deepspeed_plugin is not None:
         launcher += f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
-    print("RESULT " + json.dumps({
-        "gpu": torch.cuda.get_device_name(), "agents": args.agents, "k": args.k, "tokens": args.tokens,
-        "training": "lora" if args.lora else "full",
-        # what actually ran: the weights' storage dtype and the autocast precision (bf16 over fp32 weights is
-        # mixed precision, not a bf16 model)
-        "weights_dtype": str(next(trainer.agents[0].parameters()).dtype).replace("torch.", ""),
-        "mixed_precision": "bf16" if config.bf16 else ("fp16" if config.fp16 else "no"),
-        "launcher": f"{launcher}, {accelerator.num_processes} process(es)",
-        "seconds": total, "seconds_per_step": steady,
-        "generation_seconds": generation["seconds"], "generated_tokens": generation["tokens"],
-        "generated_tokens_per_s": generation["tokens"] / generation["seconds"] if generation["seconds"] else None,
-        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "agents": args.agents,
+                "k": args.k,
+                "tokens": args.tokens,
+                "training": "lora" if args.lora else "full",
+                # what actually ran: the weights' storage dtype and the autocast precision (bf16 over fp32 weights is
+                # mixed precision, not a bf16 model)
+                "weights_dtype": str(next(trainer.agents[0].parameters()).dtype).replace("torch.", ""),
+                "mixed_precision": "bf16" if config.bf16 else ("fp16" if config.fp16 else "no"),
+                "launcher": f"{launcher}, {accelerator.num_processes} process(es)",
+                "seconds": total,
+                "seconds_per_step": steady,
+                "generation_seconds": generation["seconds"],
+                "generated_tokens": generation["tokens"],
+                "generated_tokens_per_s": generation["tokens"] / generation["seconds"]
+                if generation["seconds"]
+                else None,
+                "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
+    )
 
 
 def _timed_generate(generate, totals: dict, torch):
@@ -116,6 +157,7 @@ def _timed_generate(generate, totals: dict, torch):
         return rollout
 
     return timed
+
 
 if __name__ == "__main__":
     main()

@@ -131,18 +131,36 @@ def main() -> None:
 
         model = demo_model_path()
     overrides = dict(item.split("=", 1) for item in args.set)
-    config = MAGRPOConfig(output_dir="/tmp/comlrl-trl-profile", num_agents=args.agents, num_generations=4,
-                          max_new_tokens=args.tokens, num_train_epochs=1, report_to="none", disable_tqdm=True,
-                          **{key: parse_value(value) for key, value in overrides.items()})
+    config = MAGRPOConfig(
+        output_dir="/tmp/comlrl-trl-profile",
+        num_agents=args.agents,
+        num_generations=4,
+        max_new_tokens=args.tokens,
+        num_train_epochs=1,
+        report_to="none",
+        disable_tqdm=True,
+        **{key: parse_value(value) for key, value in overrides.items()},
+    )
     prompts = [f"Task {i}: write a short note about topic number {i}." for i in range(args.items)]
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = MAGRPOTrainer(agent_model=model, num_agents=args.agents, reward_func=reward, args=config,
-                            train_dataset=Dataset.from_dict({"prompt": prompts}), peft_config=lora if args.lora else None)
+    trainer = MAGRPOTrainer(
+        agent_model=model,
+        num_agents=args.agents,
+        reward_func=reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        peft_config=lora if args.lora else None,
+    )
     clock = PhaseClock()
     instrument(clock)
     profiler = cProfile.Profile() if args.cprofile else None
-    ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                       record_shapes=bool(os.environ.get("PROFILE_SHAPES"))) if args.ops else nullcontext()
+    ops = (
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=bool(os.environ.get("PROFILE_SHAPES"))
+        )
+        if args.ops
+        else nullcontext()
+    )
     start, wall = cpu_seconds(), time.perf_counter()
     if profiler:
         profiler.enable()
@@ -154,12 +172,22 @@ def main() -> None:
     phases = {name: clock.seconds[name] for name in PHASES}
     phases["other"] = total - sum(phases.values())
     samples = args.items * 4
-    print(json.dumps({"model": args.model, "items": args.items, "bf16": config.bf16,
-                      "per_device_train_batch_size": config.per_device_train_batch_size,
-                      "gradient_checkpointing": config.gradient_checkpointing, "steps": trainer.state.global_step,
-                      "cpu_seconds": round(total, 3), "wall_seconds": round(wall, 3),
-                      "joint_samples_per_cpu_s": round(samples / total, 3),
-                      "phases": {name: round(value, 3) for name, value in phases.items()}}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "items": args.items,
+                "bf16": config.bf16,
+                "per_device_train_batch_size": config.per_device_train_batch_size,
+                "gradient_checkpointing": config.gradient_checkpointing,
+                "steps": trainer.state.global_step,
+                "cpu_seconds": round(total, 3),
+                "wall_seconds": round(wall, 3),
+                "joint_samples_per_cpu_s": round(samples / total, 3),
+                "phases": {name: round(value, 3) for name, value in phases.items()},
+            }
+        )
+    )
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
     if args.ops:

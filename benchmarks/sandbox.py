@@ -35,8 +35,12 @@ from comlrl_trl.tasks.sandbox import run_python  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 HELPER = "def aux(ch):\n    return ch.lower() in 'aeiou'\n"
 MAIN = "def count_vowels(s):\n    return sum(1 for ch in s if aux(ch))  # {}\n"
-TESTS = ['assert count_vowels("hello") == 2', 'assert count_vowels("AEIOU xyz") == 5',
-         'assert count_vowels("rhythm") == 0', 'assert count_vowels("") == 0']
+TESTS = [
+    'assert count_vowels("hello") == 2',
+    'assert count_vowels("AEIOU xyz") == 5',
+    'assert count_vowels("rhythm") == 0',
+    'assert count_vowels("") == 0',
+]
 _unique = itertools.count()  # a fresh program text every time, so no cache helps
 
 
@@ -84,11 +88,17 @@ def main() -> None:
             samples[label].append(one_round(runs[label], args.calls))
     rows = {}
     for label, pairs in samples.items():
-        rows[label] = {"label": label, "calls_per_s": 1 / statistics.median(p[0] for p in pairs),
-                       "reward_batch8_s": statistics.median(p[1] for p in pairs), "rounds": args.rounds,
-                       "interleaved": len(runs) == 2, "cpus": os.cpu_count(),
-                       "load_avg_1min": os.getloadavg()[0], "python": platform.python_version(),
-                       "date": time.strftime("%Y-%m-%d %H:%M")}
+        rows[label] = {
+            "label": label,
+            "calls_per_s": 1 / statistics.median(p[0] for p in pairs),
+            "reward_batch8_s": statistics.median(p[1] for p in pairs),
+            "rounds": args.rounds,
+            "interleaved": len(runs) == 2,
+            "cpus": os.cpu_count(),
+            "load_avg_1min": os.getloadavg()[0],
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        }
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"sandbox-{label}.json").write_text(json.dumps(rows[label], indent=2) + "\n")
     if "before" not in rows and (RESULTS / "sandbox-before.json").is_file():
@@ -98,8 +108,10 @@ def main() -> None:
         if label in rows:
             print(f"{label:<8} {rows[label]['calls_per_s']:>19.1f} {rows[label]['reward_batch8_s']:>22.3f}")
     if "before" in rows:
-        print(f"{'after/before':<8} {rows['after']['calls_per_s'] / rows['before']['calls_per_s']:>15.2f} "
-              f"{rows['after']['reward_batch8_s'] / rows['before']['reward_batch8_s']:>22.2f}")
+        print(
+            f"{'after/before':<8} {rows['after']['calls_per_s'] / rows['before']['calls_per_s']:>15.2f} "
+            f"{rows['after']['reward_batch8_s'] / rows['before']['reward_batch8_s']:>22.2f}"
+        )
     print(f"wrote {RESULTS}/sandbox-*.json")
 
 

@@ -78,16 +78,32 @@ def dataset(s):
 def lora_config(s):
     from peft import LoraConfig
 
-    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if s["lora"] else None
+    return (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if s["lora"]
+        else None
+    )
 
 
 def run_ours_defaults(s):
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-    config = MAGRPOConfig(output_dir=s["output_dir"], num_agents=s["agents"], num_turns=1, num_train_epochs=1,
-                          num_generations=s["k"], max_new_tokens=s["tokens"])
-    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
-                            train_dataset=dataset(s), args=config, peft_config=lora_config(s))
+    config = MAGRPOConfig(
+        output_dir=s["output_dir"],
+        num_agents=s["agents"],
+        num_turns=1,
+        num_train_epochs=1,
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=s["model"],
+        num_agents=s["agents"],
+        reward_func=reward,
+        train_dataset=dataset(s),
+        args=config,
+        peft_config=lora_config(s),
+    )
     return trainer.train, lambda: trainer.state.global_step
 
 
@@ -99,11 +115,28 @@ def run_trl_defaults(s):
     from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
     assert s["agents"] == 1, "plain TRL trains one policy"
-    ours = MAGRPOConfig(output_dir=s["output_dir"], num_agents=1, num_turns=1, num_train_epochs=1,
-                        num_generations=s["k"], max_new_tokens=s["tokens"])
-    same = ("per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate", "bf16",
-            "gradient_checkpointing", "use_cpu", "shuffle_dataset", "save_strategy", "logging_steps", "top_k",
-            "logging_nan_inf_filter")
+    ours = MAGRPOConfig(
+        output_dir=s["output_dir"],
+        num_agents=1,
+        num_turns=1,
+        num_train_epochs=1,
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+    )
+    same = (
+        "per_device_train_batch_size",
+        "num_generations",
+        "max_completion_length",
+        "learning_rate",
+        "bf16",
+        "gradient_checkpointing",
+        "use_cpu",
+        "shuffle_dataset",
+        "save_strategy",
+        "logging_steps",
+        "top_k",
+        "logging_nan_inf_filter",
+    )
     settings = {key: getattr(ours, key) for key in same}
     if ours.use_cpu and not cpu_bf16_pays_off([s["model"]]):
         settings["bf16"] = False  # as MAGRPOTrainer resolves the default for a model this small
@@ -112,8 +145,9 @@ def run_trl_defaults(s):
     def trl_reward(completions, **kwargs):
         return reward(completions)
 
-    trainer = GRPOTrainer(model=s["model"], reward_funcs=trl_reward, train_dataset=dataset(s), args=config,
-                          peft_config=lora_config(s))
+    trainer = GRPOTrainer(
+        model=s["model"], reward_funcs=trl_reward, train_dataset=dataset(s), args=config, peft_config=lora_config(s)
+    )
     return trainer.train, lambda: trainer.state.global_step
 
 
@@ -121,10 +155,12 @@ def run_peer_defaults(s):
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     assert not s["lora"], "the peer has no LoRA support"
-    config = MAGRPOConfig(num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"],
-                          max_new_tokens=s["tokens"])
-    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
-                            train_dataset=dataset(s), args=config)
+    config = MAGRPOConfig(
+        num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"], max_new_tokens=s["tokens"]
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=s["model"], num_agents=s["agents"], reward_func=reward, train_dataset=dataset(s), args=config
+    )
     steps = []
     optimizer = trainer.optimizers[-1]  # agents update in turn: a team step ends with the last one's
     original_step = optimizer.step
@@ -147,9 +183,15 @@ def measure_defaults(system, s):
     train()
     cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
     samples = s["items"] * s["k"]  # aligned joint actions scored in the epoch
-    return {"cpu_seconds": cpu, "seconds": wall, "steps": steps(), "joint_samples_per_cpu_s": samples / cpu,
-            "joint_samples_per_s": samples / wall, "seconds_per_step": wall / max(steps(), 1),
-            "peak_rss_mb": peak_rss_mb()}
+    return {
+        "cpu_seconds": cpu,
+        "seconds": wall,
+        "steps": steps(),
+        "joint_samples_per_cpu_s": samples / cpu,
+        "joint_samples_per_s": samples / wall,
+        "seconds_per_step": wall / max(steps(), 1),
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def run_ours(s):
@@ -159,16 +201,33 @@ def run_ours(s):
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     config = MAGRPOConfig(
-        output_dir=s["output_dir"], num_agents=s["agents"], num_generations=s["k"], max_new_tokens=s["tokens"],
-        per_device_train_batch_size=s["k"] * s["items_per_step"], generation_kwargs={"min_new_tokens": s["tokens"]}, learning_rate=1e-5, num_train_epochs=1,
-        logging_steps=10**9, eval_interval=0, report_to="none", gradient_checkpointing=False, disable_tqdm=True,
-        bf16=False, seed=0,
+        output_dir=s["output_dir"],
+        num_agents=s["agents"],
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+        per_device_train_batch_size=s["k"] * s["items_per_step"],
+        generation_kwargs={"min_new_tokens": s["tokens"]},
+        learning_rate=1e-5,
+        num_train_epochs=1,
+        logging_steps=10**9,
+        eval_interval=0,
+        report_to="none",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
     )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     clock = StepClock()
-    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
-                            train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
-                            peft_config=lora if s["lora"] else None, callbacks=[_ClockCallback(clock)])
+    trainer = MAGRPOTrainer(
+        agent_model=s["model"],
+        num_agents=s["agents"],
+        reward_func=reward,
+        train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}),
+        args=config,
+        peft_config=lora if s["lora"] else None,
+        callbacks=[_ClockCallback(clock)],
+    )
     start = time.perf_counter()
     trainer.train()
     return start, time.perf_counter(), trainer.state.global_step, clock
@@ -181,10 +240,22 @@ def run_trl(s):
 
     assert s["agents"] == 1, "plain TRL trains one policy"
     config = GRPOConfig(
-        output_dir=s["output_dir"], num_generations=s["k"], per_device_train_batch_size=s["k"] * s["items_per_step"],
-        max_completion_length=s["tokens"], generation_kwargs={"min_new_tokens": s["tokens"]}, learning_rate=1e-5,
-        num_train_epochs=1, logging_steps=10**9, report_to="none", gradient_checkpointing=False, disable_tqdm=True,
-        shuffle_dataset=False, save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        output_dir=s["output_dir"],
+        num_generations=s["k"],
+        per_device_train_batch_size=s["k"] * s["items_per_step"],
+        max_completion_length=s["tokens"],
+        generation_kwargs={"min_new_tokens": s["tokens"]},
+        learning_rate=1e-5,
+        num_train_epochs=1,
+        logging_steps=10**9,
+        report_to="none",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
     )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
@@ -192,9 +263,14 @@ def run_trl(s):
         return reward(completions)
 
     clock = StepClock()
-    trainer = GRPOTrainer(model=s["model"], reward_funcs=trl_reward,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
-                          peft_config=lora if s["lora"] else None, callbacks=[_ClockCallback(clock)])
+    trainer = GRPOTrainer(
+        model=s["model"],
+        reward_funcs=trl_reward,
+        train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}),
+        args=config,
+        peft_config=lora if s["lora"] else None,
+        callbacks=[_ClockCallback(clock)],
+    )
     start = time.perf_counter()
     trainer.train()
     return start, time.perf_counter(), trainer.state.global_step, clock
@@ -206,13 +282,28 @@ def run_peer(s):
 
     assert not s["lora"], "the peer has no LoRA support"
     config = MAGRPOConfig(
-        num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"], max_new_tokens=s["tokens"],
-        agent_learning_rate=1e-5, rollout_buffer_size=s["items_per_step"], train_batch_size=s["items_per_step"],
+        num_agents=s["agents"],
+        num_turns=1,
+        num_train_epochs=1,
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+        agent_learning_rate=1e-5,
+        rollout_buffer_size=s["items_per_step"],
+        train_batch_size=s["items_per_step"],
         eval_interval=0,
-        logging_steps=10**9, temperature=1.0, top_p=1.0, top_k=None, agent_devices="cpu",
+        logging_steps=10**9,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,
+        agent_devices="cpu",
     )
-    trainer = MAGRPOTrainer(agent_model=s["model"], num_agents=s["agents"], reward_func=reward,
-                            train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
+    trainer = MAGRPOTrainer(
+        agent_model=s["model"],
+        num_agents=s["agents"],
+        reward_func=reward,
+        train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}),
+        args=config,
+    )
     clock = StepClock()
     clock.after_each_step(trainer.optimizers[-1])  # agents update in turn: a team step ends with the last one's
     start = time.perf_counter()
@@ -227,15 +318,32 @@ def run_ours_ac(s):
 
     config_cls, trainer_cls = (IACConfig, IACTrainer) if s["algorithm"] == "iac" else (MAACConfig, MAACTrainer)
     config = config_cls(
-        output_dir=s["output_dir"], num_agents=s["agents"], num_generations=s["k"], max_new_tokens=s["tokens"],
-        per_device_train_batch_size=s["k"] * s["items_per_step"], generation_kwargs={"min_new_tokens": s["tokens"]},
-        learning_rate=1e-5, critic_learning_rate=1e-5, num_train_epochs=1, logging_steps=10**9, eval_interval=0,
-        report_to="none", gradient_checkpointing=False, disable_tqdm=True, bf16=False, seed=0,
+        output_dir=s["output_dir"],
+        num_agents=s["agents"],
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+        per_device_train_batch_size=s["k"] * s["items_per_step"],
+        generation_kwargs={"min_new_tokens": s["tokens"]},
+        learning_rate=1e-5,
+        critic_learning_rate=1e-5,
+        num_train_epochs=1,
+        logging_steps=10**9,
+        eval_interval=0,
+        report_to="none",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
     )
     clock = StepClock()
-    trainer = trainer_cls(agent_model=s["model"], critic_model=s["model"], reward_func=reward,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config,
-                          callbacks=[_ClockCallback(clock)])
+    trainer = trainer_cls(
+        agent_model=s["model"],
+        critic_model=s["model"],
+        reward_func=reward,
+        train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}),
+        args=config,
+        callbacks=[_ClockCallback(clock)],
+    )
     start = time.perf_counter()
     trainer.train()
     return start, time.perf_counter(), trainer.state.global_step, clock
@@ -256,14 +364,29 @@ def run_peer_ac(s):
     GenerationMixin.generate = fixed_length_generate
     config_cls, trainer_cls = (IACConfig, IACTrainer) if s["algorithm"] == "iac" else (MAACConfig, MAACTrainer)
     config = config_cls(
-        num_agents=s["agents"], num_turns=1, num_train_epochs=1, num_generations=s["k"], max_new_tokens=s["tokens"],
-        agent_learning_rate=1e-5, critic_learning_rate=1e-5, rollout_buffer_size=s["items_per_step"] * s["k"],
-        train_batch_size=s["items_per_step"] * s["k"], eval_interval=0, logging_steps=10**9, temperature=1.0,
-        top_p=1.0, top_k=None,
+        num_agents=s["agents"],
+        num_turns=1,
+        num_train_epochs=1,
+        num_generations=s["k"],
+        max_new_tokens=s["tokens"],
+        agent_learning_rate=1e-5,
+        critic_learning_rate=1e-5,
+        rollout_buffer_size=s["items_per_step"] * s["k"],
+        train_batch_size=s["items_per_step"] * s["k"],
+        eval_interval=0,
+        logging_steps=10**9,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,
     )
-    trainer = trainer_cls(agent_model=s["model"], critic_model=s["model"], reward_func=reward,
-                          tokenizer=AutoTokenizer.from_pretrained(s["model"]),
-                          train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}), args=config)
+    trainer = trainer_cls(
+        agent_model=s["model"],
+        critic_model=s["model"],
+        reward_func=reward,
+        tokenizer=AutoTokenizer.from_pretrained(s["model"]),
+        train_dataset=Dataset.from_dict({"prompt": prompts(s["items"])}),
+        args=config,
+    )
     clock = StepClock()
     clock.after_each_step(trainer.agent_optimizers[-1])  # agents update in turn: a step ends with the last one's
     start = time.perf_counter()
@@ -281,8 +404,13 @@ def _ClockCallback(clock):
     return ClockCallback()
 
 
-RUNNERS = {("ours", False): run_ours, ("peer", False): run_peer, ("trl", False): run_trl,
-           ("ours", True): run_ours_ac, ("peer", True): run_peer_ac}
+RUNNERS = {
+    ("ours", False): run_ours,
+    ("peer", False): run_peer,
+    ("trl", False): run_trl,
+    ("ours", True): run_ours_ac,
+    ("peer", True): run_peer_ac,
+}
 
 
 def main():
@@ -296,11 +424,19 @@ def main():
     start, end, steps, clock = RUNNERS[system, "algorithm" in settings](settings)
     steady_seconds, steady_steps = clock.steady(start, end, steps)
     joint_per_step = settings["items_per_step"] * settings["k"]  # aligned joint actions scored per step
-    print("RESULT " + json.dumps({
-        "seconds": end - start, "steps": steps, "steady_seconds": steady_seconds,
-        "joint_samples_per_s": joint_per_step * steady_steps / steady_seconds,
-        "seconds_per_step": steady_seconds / steady_steps, "peak_rss_mb": peak_rss_mb(),
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "seconds": end - start,
+                "steps": steps,
+                "steady_seconds": steady_seconds,
+                "joint_samples_per_s": joint_per_step * steady_steps / steady_seconds,
+                "seconds_per_step": steady_seconds / steady_steps,
+                "peak_rss_mb": peak_rss_mb(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

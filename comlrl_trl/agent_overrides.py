@@ -101,8 +101,10 @@ def validate_agent_overrides(config) -> list[dict[str, Any]] | None:
             raise ValueError(f"agent_overrides must be a JSON list of dicts on the command line: {error}.") from None
     n = config.num_agents
     if not isinstance(overrides, (list, tuple)) or len(overrides) != n:
-        raise ValueError(f"agent_overrides must be a list of num_agents={n} dicts (one per agent, {{}} to keep the "
-                         f"configuration's values), got {overrides!r}.")
+        raise ValueError(
+            f"agent_overrides must be a list of num_agents={n} dicts (one per agent, {{}} to keep the "
+            f"configuration's values), got {overrides!r}."
+        )
     return [_canonical(i, entry, type(config)) for i, entry in enumerate(overrides)]
 
 
@@ -119,8 +121,10 @@ def _canonical(i: int, entry, config_cls) -> dict[str, Any]:
         if problem is not None:
             raise ValueError(f"{where}: {key} must be {problem}, got {value!r}.")
         if name in canonical and canonical[name] != value:
-            raise ValueError(f"{where} sets {name} twice with different values ({canonical[name]!r} and {value!r} "
-                             f"through {key}); set only one of them.")
+            raise ValueError(
+                f"{where} sets {name} twice with different values ({canonical[name]!r} and {value!r} "
+                f"through {key}); set only one of them."
+            )
         canonical[name] = value
     return canonical
 
@@ -130,8 +134,10 @@ def _refusal(where: str, key: str, config_cls) -> str:
     if key in REMOVED_FIELDS:
         return removed_field_message(key, where)
     if key in config_cls.__dataclass_fields__:
-        return (f"{where}: {key} is a team setting (the rollout, batches and loop are shared by every agent); set it "
-                f"on the configuration itself. Per-agent keys: {allowed}.")
+        return (
+            f"{where}: {key} is a team setting (the rollout, batches and loop are shared by every agent); set it "
+            f"on the configuration itself. Per-agent keys: {allowed}."
+        )
     return f"{where}: unknown key {key!r}. Per-agent keys: {allowed}."
 
 

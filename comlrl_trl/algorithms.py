@@ -46,7 +46,8 @@ _ALGORITHMS: dict[str, tuple[str, str, str, str | None]] = {
 ALGORITHMS: tuple[str, ...] = tuple(_ALGORITHMS)
 # The decentralised REINFORCE family: one trainer that differs only in the group baseline (`advantage_mode`).
 REINFORCE_ALGORITHMS: tuple[str, ...] = tuple(
-    name for name, (family, _, _, advantage_mode) in _ALGORITHMS.items()
+    name
+    for name, (family, _, _, advantage_mode) in _ALGORITHMS.items()
     if family == "reinforce" and advantage_mode is not None
 )
 # Actor-critic: a critic per agent (IAC) or one centralised critic (MAAC).

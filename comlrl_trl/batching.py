@@ -5,8 +5,15 @@ import torch.nn.functional as F
 
 
 # Per-token tensors of a scored GRPO batch, padded on the right along the completion axis.
-_COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps", "tool_mask",
-                    "sampling_per_token_logps", "importance_sampling_ratio")  # the last two: vLLM generation
+_COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+    "sampling_per_token_logps",
+    "importance_sampling_ratio",
+)  # the last two: vLLM generation
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # padded on the left
 _ROW_KEYS = ("advantages", "old_values", "value_targets")  # one value per row
 

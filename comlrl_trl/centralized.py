@@ -33,16 +33,19 @@ class TaggedCentralizedComparatorAdapter:
     def build_prompt(self, batch_item: dict[str, Any], agent_prompts: Sequence[str]) -> str:
         sections = "\n\n".join(f"Agent {i} original prompt:\n{prompt}" for i, prompt in enumerate(agent_prompts))
         outputs = "\n".join(f"<agent_{i}>\n...\n</agent_{i}>" for i in range(len(agent_prompts)))
-        return (f"You are a centralized coordinator producing the separate outputs of {len(agent_prompts)} agents.\n"
-                "Each output must satisfy its corresponding original prompt. Keep the outputs separate;\n"
-                "do not merge them or add commentary outside the required tags.\n\n"
-                f"{sections}\n\nReturn exactly one section for each agent in this format:\n{outputs}\n")
+        return (
+            f"You are a centralized coordinator producing the separate outputs of {len(agent_prompts)} agents.\n"
+            "Each output must satisfy its corresponding original prompt. Keep the outputs separate;\n"
+            "do not merge them or add commentary outside the required tags.\n\n"
+            f"{sections}\n\nReturn exactly one section for each agent in this format:\n{outputs}\n"
+        )
 
     def parse_completion(self, completion: str, batch_item: dict[str, Any], num_agents: int) -> list[str]:
         outputs, found = [], False
         for i in range(num_agents):
-            match = re.search(rf"<\s*agent_{i}\s*>(.*?)<\s*/\s*agent_{i}\s*>", str(completion),
-                              flags=re.IGNORECASE | re.DOTALL)
+            match = re.search(
+                rf"<\s*agent_{i}\s*>(.*?)<\s*/\s*agent_{i}\s*>", str(completion), flags=re.IGNORECASE | re.DOTALL
+            )
             found = found or match is not None
             outputs.append(match.group(1).strip() if match is not None else "")
         if not found:
@@ -58,8 +61,9 @@ class CentralizedCollaboration:
     A completion the adapter cannot parse gives every role an empty output.
     """
 
-    def __init__(self, adapter, formatters: Formatter | Sequence[Formatter] | None, reward_func: Callable,
-                 num_roles: int):
+    def __init__(
+        self, adapter, formatters: Formatter | Sequence[Formatter] | None, reward_func: Callable, num_roles: int
+    ):
         for method in ("build_prompt", "parse_completion"):
             if not callable(getattr(adapter, method, None)):
                 raise TypeError(f"centralized_adapter.{method} must be callable.")
@@ -83,8 +87,10 @@ class CentralizedCollaboration:
         except CentralizedComparatorParseError:
             return [""] * self.num_roles
         if isinstance(outputs, (str, bytes)) or len(outputs) != self.num_roles:
-            raise ValueError(f"centralized_adapter.parse_completion must return {self.num_roles} outputs (one per "
-                             f"role), got {outputs!r}.")
+            raise ValueError(
+                f"centralized_adapter.parse_completion must return {self.num_roles} outputs (one per "
+                f"role), got {outputs!r}."
+            )
         if not all(isinstance(output, str) for output in outputs):
             raise TypeError(f"centralized_adapter.parse_completion must return strings, got {outputs!r}.")
         return list(outputs)

@@ -93,14 +93,51 @@ _STAGING_RE = re.compile(r"^\.checkpoint-\d+\.[0-9a-f]+\.partial$")
 # Settings that change what a run computes. A resumed run must use the checkpoint's values (num_train_epochs and
 # max_steps may grow: they only say how long the run is).
 RESULT_SETTINGS = (
-    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "weight_decay",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm", "seed", "shuffle_dataset",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
-    "num_generations", "advantage_mode", "scale_rewards", "beta", "loss_type", "epsilon", "epsilon_high",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length", "max_completion_length",
-    "discount", "early_termination_threshold", "turn_gradient_weights", "external_prompt_passthrough",
-    "critic_type", "critic_learning_rate", "value_loss_coef", "value_clip_range", "agent_overrides",
-    "dpo_beta", "use_reference_model", "pair_selection", "preference_num_candidates", "preference_pairs_per_sample",
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "max_grad_norm",
+    "seed",
+    "shuffle_dataset",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "num_iterations",
+    "num_generations",
+    "advantage_mode",
+    "scale_rewards",
+    "beta",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_prompt_length",
+    "max_completion_length",
+    "discount",
+    "early_termination_threshold",
+    "turn_gradient_weights",
+    "external_prompt_passthrough",
+    "critic_type",
+    "critic_learning_rate",
+    "value_loss_coef",
+    "value_clip_range",
+    "agent_overrides",
+    "dpo_beta",
+    "use_reference_model",
+    "pair_selection",
+    "preference_num_candidates",
+    "preference_pairs_per_sample",
 )
 
 
@@ -203,17 +240,21 @@ def writing_checkpoint(staging: str, final: str) -> Iterator[None]:
         shutil.rmtree(staging, ignore_errors=True)
         root = os.path.dirname(final)
         disk_full = isinstance(error, OSError) and error.errno == errno.ENOSPC
-        writer_failed = isinstance(error, RuntimeError) and ("unexpected pos" in str(error)
-                                                             or "file write failed" in str(error))
+        writer_failed = isinstance(error, RuntimeError) and (
+            "unexpected pos" in str(error) or "file write failed" in str(error)
+        )
         if not (disk_full or writer_failed):
             raise
         try:
             free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
         except OSError:
             free = "free space unknown"
-        raise OSError(errno.ENOSPC, f"No space left on device while saving {os.path.basename(final)} into "
-                      f"{root!r} ({free}; writer error: {error}). The partial checkpoint was removed; earlier "
-                      "checkpoints are intact. Free some space (or lower checkpoint_total_limit) and resume.") from error
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device while saving {os.path.basename(final)} into "
+            f"{root!r} ({free}; writer error: {error}). The partial checkpoint was removed; earlier "
+            "checkpoints are intact. Free some space (or lower checkpoint_total_limit) and resume.",
+        ) from error
 
 
 MANIFEST_KEY = "manifest"
@@ -251,8 +292,9 @@ def verify_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
     metadata = read_checkpoint_metadata(checkpoint)
     manifest = metadata.get(MANIFEST_KEY)
     if manifest is None:
-        warnings.warn(f"{checkpoint} has no manifest (written by an older comlrl_trl): its files are not verified.",
-                      stacklevel=3)
+        warnings.warn(
+            f"{checkpoint} has no manifest (written by an older comlrl_trl): its files are not verified.", stacklevel=3
+        )
         return metadata
     problems = []
     for relative, expected in manifest.items():
@@ -264,8 +306,11 @@ def verify_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
         elif _sha256(path) != expected["sha256"]:
             problems.append(f"{relative} is damaged (its sha256 differs from the one recorded when it was saved)")
     if problems:
-        raise ValueError(f"Cannot resume from {checkpoint}: the checkpoint is not as it was saved.\n  "
-                         + "\n  ".join(problems) + "\nResume from another checkpoint-N directory.")
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: the checkpoint is not as it was saved.\n  "
+            + "\n  ".join(problems)
+            + "\nResume from another checkpoint-N directory."
+        )
     return metadata
 
 
@@ -281,8 +326,9 @@ def commit(staging: str, final: str) -> None:
         os.replace(staging, final)
 
 
-def save_staged(root: str, name: str, token: str, write_files, accelerator, should_save: bool,
-                keep: int | None, run_id: str) -> str:
+def save_staged(
+    root: str, name: str, token: str, write_files, accelerator, should_save: bool, keep: int | None, run_id: str
+) -> str:
     """Write `root/name` crash-safely on every process: `write_files(staging)` fills a staging directory, then the
     saving process renames it into place and prunes `run_id`'s checkpoints beyond `keep`. Returns the final path."""
     staging, final = staging_dir(root, name, token), os.path.join(root, name)
@@ -326,8 +372,9 @@ def check_checkpoint_options(interval, total_limit) -> None:
     """Validate `train(checkpoint_interval=..., checkpoint_total_limit=...)`."""
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"checkpoint_interval must be a positive integer, got {interval!r}.")
-    if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
-                                    or total_limit < 1):
+    if total_limit is not None and (
+        isinstance(total_limit, bool) or not isinstance(total_limit, int) or total_limit < 1
+    ):
         raise ValueError(f"checkpoint_total_limit must be a positive integer or None, got {total_limit!r}.")
 
 
@@ -346,12 +393,18 @@ def refuse_foreign_checkpoints(root: str | None, run_id: str) -> None:
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str) -> None:
     """Refuse to resume into a different run: name every field of the fingerprint that differs."""
     current = json.loads(json.dumps(current, default=str))  # as the checkpoint's copy was read back
-    differences = [f"{key}: checkpoint has {saved.get(key)!r}, this trainer has {current[key]!r}"
-                   for key in current if saved.get(key) != current[key]]
+    differences = [
+        f"{key}: checkpoint has {saved.get(key)!r}, this trainer has {current[key]!r}"
+        for key in current
+        if saved.get(key) != current[key]
+    ]
     if differences:
-        raise ValueError(f"Cannot resume from {path}: the checkpoint does not match this trainer.\n  "
-                         + "\n  ".join(differences) + "\nThese settings change the result, so a resumed run must "
-                         "keep the checkpoint's values (num_train_epochs and max_steps may grow); or start a new run.")
+        raise ValueError(
+            f"Cannot resume from {path}: the checkpoint does not match this trainer.\n  "
+            + "\n  ".join(differences)
+            + "\nThese settings change the result, so a resumed run must "
+            "keep the checkpoint's values (num_train_epochs and max_steps may grow); or start a new run."
+        )
 
 
 # ----- user objects that carry state across a resume -----
@@ -368,8 +421,10 @@ def is_stateful(obj, name: str) -> bool:
     methods = [method for method in ("state_dict", "load_state_dict") if callable(getattr(obj, method, None))]
     if len(methods) == 1:
         missing = "load_state_dict" if methods == ["state_dict"] else "state_dict"
-        raise TypeError(f"{name} ({type(obj).__name__}) defines {methods[0]}() but not {missing}(); define both so "
-                        "that checkpoints save and restore its state, or neither to leave it out of them.")
+        raise TypeError(
+            f"{name} ({type(obj).__name__}) defines {methods[0]}() but not {missing}(); define both so "
+            "that checkpoints save and restore its state, or neither to leave it out of them."
+        )
     if obj is None or not methods:
         return False
     # A streaming dataset's position is restored by the data loader, not by its own state.
@@ -388,7 +443,9 @@ def objects_state(objects: dict[str, Any]) -> dict[str, Any]:
 def restore_objects(objects: dict[str, Any], saved: dict[str, Any], checkpoint: str) -> None:
     """Load every object's saved state; the checkpoint and the trainer must hold the same stateful objects."""
     if set(objects) != set(saved):
-        raise ValueError(f"Cannot resume from {checkpoint}: the stateful objects differ (checkpoint: "
-                         f"{sorted(saved)}, this trainer: {sorted(objects)}).")
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: the stateful objects differ (checkpoint: "
+            f"{sorted(saved)}, this trainer: {sorted(objects)})."
+        )
     for name, obj in objects.items():
         obj.load_state_dict(saved[name])

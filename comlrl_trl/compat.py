@@ -13,48 +13,78 @@ from typing import Any
 from trl import TrlParser
 
 
-_DEVICES = ("devices are placed by Accelerate: launch with `accelerate launch` (DDP, DeepSpeed ZeRO-2/3; "
-            "configs in recipes/accelerate/) and every process holds its share of every agent")
-_NOT_IMPLEMENTED = ("comlrl_trl does not implement CoMLRL's iterative comparator policies and preference replay; "
-                    "remove the field (see docs/migrating-from-comlrl.md)")
+_DEVICES = (
+    "devices are placed by Accelerate: launch with `accelerate launch` (DDP, DeepSpeed ZeRO-2/3; "
+    "configs in recipes/accelerate/) and every process holds its share of every agent"
+)
+_NOT_IMPLEMENTED = (
+    "comlrl_trl does not implement CoMLRL's iterative comparator policies and preference replay; "
+    "remove the field (see docs/migrating-from-comlrl.md)"
+)
 
 # CoMLRL field -> what to use instead.
 REMOVED_FIELDS: dict[str, str] = {
     "reference_kl_coef": "use TRL's `beta` (>= 0): beta > 0 loads a frozen reference model per agent and adds "
-                         "beta * KL to the loss",
+    "beta * KL to the loss",
     "reference_kl_enabled": "set TRL's `beta` > 0 to turn the reference KL on (beta=0, the default, is off)",
     "reference_devices": "the reference model lives with its agent; " + _DEVICES,
     "rollout_buffer_size": "use `per_device_train_batch_size` (completions per agent and step: rollout_buffer_size "
-                           "task items are rollout_buffer_size * num_generations completions) and "
-                           "`steps_per_generation` (optimizer steps per rollout)",
+    "task items are rollout_buffer_size * num_generations completions) and "
+    "`steps_per_generation` (optimizer steps per rollout)",
     "train_batch_size": "use `per_device_train_batch_size` = train_batch_size * num_generations (completions per "
-                        "agent and step) and `steps_per_generation` = rollout_buffer_size / train_batch_size",
+    "agent and step) and `steps_per_generation` = rollout_buffer_size / train_batch_size",
     "parallel_training": _DEVICES,
     "agent_devices": _DEVICES,
     "critic_devices": _DEVICES,
     "comparator_devices": _DEVICES,
     "collaboration_mode": "centralised MAGRPO is its own class: CentralizedMAGRPOTrainer with CentralizedMAGRPOConfig "
-                          "(no field needed); centralised MADPO/MARLHF are not implemented",
+    "(no field needed); centralised MADPO/MARLHF are not implemented",
     "use_environment_step": "MADPO counts env_step as the joint candidates it scores, like MAGRPO; remove the field",
     "environment_steps_per_pair": "MADPO counts env_step as the joint candidates it scores, like MAGRPO; remove "
-                                  "the field",
-    **{name: _NOT_IMPLEMENTED for name in (
-        "comparator_policy", "comparator_generation_mode", "comparator_centralized_agent_index",
-        "comparator_model_name", "comparator_agents", "comparator_num_candidates", "comparator_history_k",
-        "comparator_api_url", "comparator_api_format", "comparator_api_model", "comparator_api_max_n_per_request",
-        "comparator_api_timeout", "comparator_api_headers", "comparator_api_key", "comparator_api_key_env",
-        "comparator_api_key_header", "comparator_api_key_prefix", "comparator_api_response_field",
-        "comparator_api_extra_body", "preference_replay_mode", "preference_replay_k", "preference_replay_lambda",
-        "preference_replay_sample_size", "preference_replay_dir", "preference_scoring_reward",
-        "log_reward_distribution", "policy_checkpoint_dir")},
+    "the field",
+    **{
+        name: _NOT_IMPLEMENTED
+        for name in (
+            "comparator_policy",
+            "comparator_generation_mode",
+            "comparator_centralized_agent_index",
+            "comparator_model_name",
+            "comparator_agents",
+            "comparator_num_candidates",
+            "comparator_history_k",
+            "comparator_api_url",
+            "comparator_api_format",
+            "comparator_api_model",
+            "comparator_api_max_n_per_request",
+            "comparator_api_timeout",
+            "comparator_api_headers",
+            "comparator_api_key",
+            "comparator_api_key_env",
+            "comparator_api_key_header",
+            "comparator_api_key_prefix",
+            "comparator_api_response_field",
+            "comparator_api_extra_body",
+            "preference_replay_mode",
+            "preference_replay_k",
+            "preference_replay_lambda",
+            "preference_replay_sample_size",
+            "preference_replay_dir",
+            "preference_scoring_reward",
+            "log_reward_distribution",
+            "policy_checkpoint_dir",
+        )
+    },
 }
 
 # (field, CoMLRL value) -> the value comlrl_trl takes, with a note when the behaviour differs.
 RENAMED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
     ("joint_mode", "aligned"): ("align", ""),
-    ("joint_mode", "crossed"): ("cross", " (CoMLRL 1.4.3 scored all K^N joint actions for 'crossed' but then "
-                                         "trained each agent's K completions on the first K joint returns, a bug: "
-                                         "results will differ)"),
+    ("joint_mode", "crossed"): (
+        "cross",
+        " (CoMLRL 1.4.3 scored all K^N joint actions for 'crossed' but then "
+        "trained each agent's K completions on the first K joint returns, a bug: "
+        "results will differ)",
+    ),
     ("rl_algorithm", "mareforce"): ("mareinforce", ""),
 }
 _LOWER_CASE_FIELDS = ("joint_mode", "advantage_mode", "rl_algorithm", "algorithm")
@@ -126,6 +156,7 @@ class CompatTrlParser(TrlParser):
             value = config[action.dest]
             for item in value if isinstance(value, list) else [value]:
                 if item not in action.choices:
-                    raise ValueError(f"config file: {action.dest}={item!r} is not one of "
-                                     f"{', '.join(map(repr, action.choices))}.")
+                    raise ValueError(
+                        f"config file: {action.dest}={item!r} is not one of {', '.join(map(repr, action.choices))}."
+                    )
         return super().set_defaults_with_config(**config)

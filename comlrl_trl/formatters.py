@@ -74,16 +74,23 @@ def check_prompt(prompt: Any, agent_idx: int, label: str, source: str = "the for
     where = f"{source} of agent {agent_idx} on {label}"
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError(f"{where} gave an empty prompt; the model needs at least one prompt token. Return "
-                             "some text (e.g. the task statement), or drop items without one from the dataset.")
+            raise ValueError(
+                f"{where} gave an empty prompt; the model needs at least one prompt token. Return "
+                "some text (e.g. the task statement), or drop items without one from the dataset."
+            )
         return
     if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
-        raise TypeError(f"{source} of agent {agent_idx} returned {type(prompt).__name__} on {label}; a prompt must be "
-                        "a string or a list of chat messages ({'role': ..., 'content': ...}).")
+        raise TypeError(
+            f"{source} of agent {agent_idx} returned {type(prompt).__name__} on {label}; a prompt must be "
+            "a string or a list of chat messages ({'role': ..., 'content': ...})."
+        )
     if not prompt:
-        raise ValueError(f"{where} gave an empty chat prompt []; give at least one message {{'role': 'user', "
-                         "'content': ...}.")
+        raise ValueError(
+            f"{where} gave an empty chat prompt []; give at least one message {{'role': 'user', 'content': ...}}."
+        )
     for m, message in enumerate(prompt):
         if not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"{where} gave a chat message without a string 'role' and a 'content' (message {m}: "
-                             f"{message!r}); every message needs both, e.g. {{'role': 'user', 'content': '...'}}.")
+            raise ValueError(
+                f"{where} gave a chat message without a string 'role' and a 'content' (message {m}: "
+                f"{message!r}); every message needs both, e.g. {{'role': 'user', 'content': '...'}}."
+            )

@@ -50,8 +50,11 @@ class FilledRepeatSampler(RepeatSampler):
     repeated (in order, or in this epoch's shuffled order) to fill exactly one batch, instead of yielding nothing."""
 
     def __iter__(self):
-        order = torch.randperm(self.num_samples, generator=self.generator).tolist() if self.shuffle \
+        order = (
+            torch.randperm(self.num_samples, generator=self.generator).tolist()
+            if self.shuffle
             else list(range(self.num_samples))
+        )
         chunk = [order[i % self.num_samples] for i in range(self.batch_size)]
         for _ in range(self.repeat_count):
             for index in chunk:
@@ -74,15 +77,22 @@ def fill_small_training_set(sampler):
         logger.warning(
             "train_dataset has %d task items and a generation batch takes %d, so %d items are left out of every "
             "epoch (%s). Use a number of items divisible by per_device_train_batch_size * steps_per_generation * "
-            "processes / num_generations, or fewer processes.", sampler.num_samples, sampler.batch_size, left_out,
-            "other items each epoch, shuffle_dataset=True" if sampler.shuffle else
-            "always the last ones: shuffle_dataset=True varies them")
+            "processes / num_generations, or fewer processes.",
+            sampler.num_samples,
+            sampler.batch_size,
+            left_out,
+            "other items each epoch, shuffle_dataset=True"
+            if sampler.shuffle
+            else "always the last ones: shuffle_dataset=True varies them",
+        )
     if not 0 < sampler.num_samples < sampler.batch_size:
         return sampler
     logger.warning(
         "train_dataset has %d task items, fewer than one generation batch (%d items: per_device_train_batch_size * "
         "steps_per_generation * processes / num_generations); its items are repeated to fill that batch.",
-        sampler.num_samples, sampler.batch_size)
+        sampler.num_samples,
+        sampler.batch_size,
+    )
     filled = FilledRepeatSampler.__new__(FilledRepeatSampler)
     filled.__dict__.update(sampler.__dict__)
     return filled
@@ -165,7 +175,9 @@ def check_trainer_inputs(args, reward_func, external_transition, eval_logger, ev
     if reward_func is None:
         raise ValueError("reward_func is required: a callable returning one reward per joint action.")
     if args.num_turns > 1 and external_transition is None:
-        raise ValueError(f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts.")
+        raise ValueError(
+            f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts."
+        )
     if external_transition is not None and not callable(external_transition):
         raise TypeError(f"external_transition must be a callable, got {type(external_transition).__name__}.")
     if (eval_logger is None) != (eval_aggregator is None):

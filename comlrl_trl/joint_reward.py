@@ -36,12 +36,16 @@ class JointReward:
                 f"reward_func must be a callable returning one reward per joint action, got {type(reward_func).__name__}."
             )
         if reward_processor is not None and not callable(reward_processor):
-            raise TypeError(f"reward_processor must be a callable float -> float, got {type(reward_processor).__name__}.")
+            raise TypeError(
+                f"reward_processor must be a callable float -> float, got {type(reward_processor).__name__}."
+            )
         self.reward_func = reward_func
         self.reward_processor = reward_processor
         self.pass_batch_items = accepts_keyword(reward_func, "batch_items")
 
-    def __call__(self, agent_completions: Sequence[Sequence[str]], item: dict[str, Any], item_label: str) -> list[float]:
+    def __call__(
+        self, agent_completions: Sequence[Sequence[str]], item: dict[str, Any], item_label: str
+    ) -> list[float]:
         num_joint = len(agent_completions[0])
         rewards = self.values(agent_completions, item, item_label)
         if len(rewards) != num_joint:
@@ -80,13 +84,14 @@ class JointReward:
             processed.append(value)
         return processed
 
-
     def _process(self, value: float, j: int, item: dict[str, Any], item_label: str) -> float:
         try:
             return float(self.reward_processor(value))
         except Exception as error:
-            error.add_note(f"comlrl_trl: raised by reward_processor on reward {value!r} of joint action {j} of "
-                           f"{item_label}: {_short(item)}")
+            error.add_note(
+                f"comlrl_trl: raised by reward_processor on reward {value!r} of joint action {j} of "
+                f"{item_label}: {_short(item)}"
+            )
             raise
 
 

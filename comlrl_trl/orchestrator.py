@@ -118,13 +118,17 @@ class JointRolloutOrchestrator:
                 break
             nodes = next_nodes
 
-        returns = tree_returns([[n.rewards for n in t.nodes] for t in turns],
-                               [[n.children for n in t.nodes] for t in turns], self.args.discount)
+        returns = tree_returns(
+            [[n.rewards for n in t.nodes] for t in turns],
+            [[n.children for n in t.nodes] for t in turns],
+            self.args.discount,
+        )
         kl_stats = torch.zeros(len(turns), 2, device=self.accelerator.device)  # per turn: KL sum, token count
         batches, advantages = self._score_agents(turns, returns, kl_stats)
         kl_stats = self.accelerator.reduce(kl_stats, reduction="sum")
-        scored = self.accelerator.gather(torch.tensor([sum(len(n.rewards) for t in turns for n in t.nodes)],
-                                                      device=self.accelerator.device))
+        scored = self.accelerator.gather(
+            torch.tensor([sum(len(n.rewards) for t in turns for n in t.nodes)], device=self.accelerator.device)
+        )
         return TeamRollout(
             agent_batches=batches,
             agent_advantages=advantages,
@@ -147,7 +151,9 @@ class JointRolloutOrchestrator:
         next_nodes: list[Node] = []
         for n, node in enumerate(nodes):
             start = n * k
-            joint = [[agent_texts[start + idx[a]] for idx in self.joint_indices] for a, agent_texts in enumerate(texts)]
+            joint = [
+                [agent_texts[start + idx[a]] for idx in self.joint_indices] for a, agent_texts in enumerate(texts)
+            ]
             node.rewards = self._node_rewards(joint, node, turn)
             expand = turn + 1 < self.args.num_turns and not (
                 threshold is not None and sum(node.rewards) / len(node.rewards) > threshold
@@ -167,11 +173,14 @@ class JointRolloutOrchestrator:
     def _child(self, node: Node, responses: list[str], turn: int) -> Node:
         prompt_history = [history + [prompt] for history, prompt in zip(node.prompt_history, node.prompts)]
         response_history = [history + [text] for history, text in zip(node.response_history, responses)]
-        external = self.transition(node.item, responses, prompt_history, response_history,
-                                   f"{node.item_label}, after turn {turn + 1}")
+        external = self.transition(
+            node.item, responses, prompt_history, response_history, f"{node.item_label}, after turn {turn + 1}"
+        )
         label = f"{node.item_label}, turn {turn + 2}"
-        prompts = [format_prompt(formatter, node.item, a, external[a], self.args.external_prompt_passthrough, label)
-                   for a, formatter in enumerate(self.formatters)]
+        prompts = [
+            format_prompt(formatter, node.item, a, external[a], self.args.external_prompt_passthrough, label)
+            for a, formatter in enumerate(self.formatters)
+        ]
         return Node(node.item, node.item_label, prompts, prompt_history, response_history)
 
     def transition(self, item, responses, prompt_history, response_history, label) -> list[str]:
@@ -179,8 +188,12 @@ class JointRolloutOrchestrator:
         kwargs = {"batch_item": item} if self.pass_batch_item else {}
         try:
             prompts = self.external_transition(
-                prompt=item.get("prompt", ""), agent_completions=list(responses), num_agents=len(self.agents),
-                prompt_history_per_agent=prompt_history, response_history_per_agent=response_history, **kwargs,
+                prompt=item.get("prompt", ""),
+                agent_completions=list(responses),
+                num_agents=len(self.agents),
+                prompt_history_per_agent=prompt_history,
+                response_history_per_agent=response_history,
+                **kwargs,
             )
         except Exception as error:
             error.add_note(f"comlrl_trl: raised by external_transition on {label}")
@@ -188,12 +201,15 @@ class JointRolloutOrchestrator:
         if not isinstance(prompts, (list, tuple)) or len(prompts) != len(self.agents):
             raise ValueError(
                 f"external_transition must return a list of {len(self.agents)} prompts (one per agent) on {label}; "
-                f"got {type(prompts).__name__}" + (f" of length {len(prompts)}" if isinstance(prompts, (list, tuple)) else "")
+                f"got {type(prompts).__name__}"
+                + (f" of length {len(prompts)}" if isinstance(prompts, (list, tuple)) else "")
             )
         for a, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
-                raise TypeError(f"external_transition returned {type(prompt).__name__} for agent {a} on {label}; "
-                                "next-turn prompts must be strings.")
+                raise TypeError(
+                    f"external_transition returned {type(prompt).__name__} for agent {a} on {label}; "
+                    "next-turn prompts must be strings."
+                )
             check_prompt(prompt, a, label, "the external_transition")
         return list(prompts)
 
@@ -211,25 +227,32 @@ class JointRolloutOrchestrator:
         for t, turn in enumerate(turns):
             local_returns = []
             for node_returns in returns[t]:
-                local_returns.extend(completion_returns(node_returns, self.joint_indices, len(self.agents),
-                                                        self.args.num_generations)[a])
+                local_returns.extend(
+                    completion_returns(node_returns, self.joint_indices, len(self.agents), self.args.num_generations)[
+                        a
+                    ]
+                )
             batch, global_returns = self._trl_score(agent, turn, a, local_returns, kl_stats, t)
-            group = group_advantages(global_returns, self.args.num_generations, self.args.advantage_mode,
-                                     self.args.scale_rewards)
-            local = group[process * len(local_returns):(process + 1) * len(local_returns)]
+            group = group_advantages(
+                global_returns, self.args.num_generations, self.args.advantage_mode, self.args.scale_rewards
+            )
+            local = group[process * len(local_returns) : (process + 1) * len(local_returns)]
             advantages.append(local * weights[t] if weights is not None else local)
             batches.append(batch)
         return concat_scored_batches(batches, agent.processing_class.pad_token_id), torch.cat(advantages)
 
-    def _trl_score(self, agent, turn: Turn, a: int, local_rewards: list[float], kl_stats: torch.Tensor,
-                   t: int) -> tuple[dict[str, Any], torch.Tensor]:
+    def _trl_score(
+        self, agent, turn: Turn, a: int, local_rewards: list[float], kl_stats: torch.Tensor, t: int
+    ) -> tuple[dict[str, Any], torch.Tensor]:
         """TRL's scoring of agent `a`'s rows of one turn with the rewards handed in (gathered over processes).
 
         Returns TRL's batch and the gathered rewards; adds the turn's reference KL.
         """
         k = self.args.num_generations
-        rows = [{**node.item, "prompt": prompt}
-                for node, prompt in zip((n for n in turn.nodes for _ in range(k)), turn.prompts[a])]
+        rows = [
+            {**node.item, "prompt": prompt}
+            for node, prompt in zip((n for n in turn.nodes for _ in range(k)), turn.prompts[a])
+        ]
         device = self.accelerator.device
         global_rewards = self.accelerator.gather(torch.tensor(local_rewards, dtype=torch.float32, device=device))
         batch = agent.score(rows, turn.rollouts[a], global_rewards)
@@ -266,8 +289,10 @@ class JointRolloutOrchestrator:
 
     def sample(self, node_prompts: list[list[Any]]) -> list[list[str]]:
         """One completion per agent for every node: `node_prompts[node][agent]` -> texts `[agent][node]`."""
-        return [[completion_text(c) for c in agent.generate([prompts[a] for prompts in node_prompts]).completions]
-                for a, agent in enumerate(self.agents)]
+        return [
+            [completion_text(c) for c in agent.generate([prompts[a] for prompts in node_prompts]).completions]
+            for a, agent in enumerate(self.agents)
+        ]
 
 
 @torch.no_grad()
@@ -280,8 +305,13 @@ def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs):
-        logps = agent.per_token_logps(agent.model, input_ids, attention_mask, batch["completion_ids"].size(1),
-                                      batch_size=agent.args.per_device_train_batch_size)
+        logps = agent.per_token_logps(
+            agent.model,
+            input_ids,
+            attention_mask,
+            batch["completion_ids"].size(1),
+            batch_size=agent.args.per_device_train_batch_size,
+        )
     delta = batch["ref_per_token_logps"] - logps
     per_token = torch.exp(delta) - delta - 1  # k3 estimator, as in TRL's loss
     mask = batch["completion_mask"].to(per_token.dtype)

@@ -30,10 +30,12 @@ def plot_reward_curve(log_history: list[dict], path: str | os.PathLike, title: s
         if key.startswith("eval/"):
             axis.plot(steps, values, marker="o", linewidth=2, label=key)
         else:
-            line, = axis.plot(steps, values, alpha=0.35, linewidth=1, label=key)
+            (line,) = axis.plot(steps, values, alpha=0.35, linewidth=1, label=key)
             window = max(1, len(values) // 10)
-            smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-                      for i in range(len(values))]
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
             axis.plot(steps, smooth, color=line.get_color(), linewidth=2, label=f"{key} (running mean)")
     axis.set_xlabel("env_step (joint actions scored)")
     axis.set_ylabel("reward")

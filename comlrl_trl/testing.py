@@ -82,17 +82,66 @@ _LLAMA_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '### assistant:\\n' }}{%- endif %}"
 )
 
-_SUBJECTS = ["the agent", "a model", "the writer", "our team", "each player", "the coder",
-             "a student", "the robot", "my friend", "the teacher", "every user", "the critic"]
-_VERBS = ["writes", "reads", "solves", "checks", "builds", "tests", "explains", "counts",
-          "returns", "sorts", "prints", "reviews", "answers", "computes", "adds"]
-_OBJECTS = ["a short story", "the function", "two numbers", "a list", "the answer", "a poem",
-            "the reward", "a summary", "the code", "some text", "a question", "the total"]
+_SUBJECTS = [
+    "the agent",
+    "a model",
+    "the writer",
+    "our team",
+    "each player",
+    "the coder",
+    "a student",
+    "the robot",
+    "my friend",
+    "the teacher",
+    "every user",
+    "the critic",
+]
+_VERBS = [
+    "writes",
+    "reads",
+    "solves",
+    "checks",
+    "builds",
+    "tests",
+    "explains",
+    "counts",
+    "returns",
+    "sorts",
+    "prints",
+    "reviews",
+    "answers",
+    "computes",
+    "adds",
+]
+_OBJECTS = [
+    "a short story",
+    "the function",
+    "two numbers",
+    "a list",
+    "the answer",
+    "a poem",
+    "the reward",
+    "a summary",
+    "the code",
+    "some text",
+    "a question",
+    "the total",
+]
 _ADVERBS = ["quickly", "carefully", "again", "together", "today", "slowly", "well", "first"]
-_CODE = ["def f(x): return x + 1", "print(sum([1, 2, 3]))", "if a > b: a, b = b, a",
-         "x = {'k': [0, 1]}", "for i in range(10): pass", "return a * b - c / 2",
-         "assert len(xs) == 3", "y = f\"{x:.2f}\" # comment", "class A: pass",
-         "while n != 0: n -= 1", "import math; math.sqrt(16)", "s = 'hi' + \"there\"!"]
+_CODE = [
+    "def f(x): return x + 1",
+    "print(sum([1, 2, 3]))",
+    "if a > b: a, b = b, a",
+    "x = {'k': [0, 1]}",
+    "for i in range(10): pass",
+    "return a * b - c / 2",
+    "assert len(xs) == 3",
+    'y = f"{x:.2f}" # comment',
+    "class A: pass",
+    "while n != 0: n -= 1",
+    "import math; math.sqrt(16)",
+    "s = 'hi' + \"there\"!",
+]
 
 
 def build_corpus(n_sentences: int = 400, seed: int = 1234) -> list[str]:
@@ -176,14 +225,26 @@ def build_tiny_model(kind: ModelKind, tokenizer: PreTrainedTokenizerFast, seed: 
     model: PreTrainedModel
     if kind == "qwen2":
         config = Qwen2Config(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=True, **ids,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            **ids,
         )
         model = Qwen2ForCausalLM(config)
     elif kind == "llama":
         config = LlamaConfig(
-            hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=96, max_position_embeddings=512, tie_word_embeddings=False, **ids,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **ids,
         )
         model = LlamaForCausalLM(config)
     else:
@@ -197,9 +258,7 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(root).expanduser()
 
 
-def tiny_model_path(
-    kind: ModelKind = "qwen2", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None
-) -> str:
+def tiny_model_path(kind: ModelKind = "qwen2", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Return a directory holding ``save_pretrained`` output of a tiny model + tokenizer.
 
     Layout: ``<root>/<kind>-seed<seed>-<CACHE_VERSION>/`` where ``<root>`` is ``cache_dir``,

@@ -19,8 +19,11 @@ from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).",
+    )
     parser.add_argument("--output-dir", default="./outputs/code-feedback")
     parser.add_argument("--num-turns", type=int, default=2)
     parser.add_argument("--num-generations", type=int, default=4)

@@ -35,8 +35,11 @@ def proper_length_ratio_reward(completions1, completions2, target_min=2.0, targe
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Model id or local path (default: the embedded SmolLM2 demo model if installed, else the tiny test model).",
+    )
     parser.add_argument("--output-dir", default="./outputs/story-len-ratio")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -53,18 +56,22 @@ def main():
     model_name = args.model or default_model_path()
     output_dir = args.output_dir
 
-    train_dataset = Dataset.from_dict({"prompt": [
-        "Describe a city in the clouds:",
-        "Invent a new holiday and explain it:",
-        "Write a bedtime story for a dragon:",
-        "Explain how teleportation might work:",
-        "Tell a joke about dinosaurs:",
-        "Describe a world without electricity:",
-        "Create a superhero with a unique power:",
-        "Write a scene where the moon talks:",
-        "Invent a new type of fruit:",
-        "Design a playground on Mars:",
-    ]})
+    train_dataset = Dataset.from_dict(
+        {
+            "prompt": [
+                "Describe a city in the clouds:",
+                "Invent a new holiday and explain it:",
+                "Write a bedtime story for a dragon:",
+                "Explain how teleportation might work:",
+                "Tell a joke about dinosaurs:",
+                "Describe a world without electricity:",
+                "Create a superhero with a unique power:",
+                "Write a scene where the moon talks:",
+                "Invent a new type of fruit:",
+                "Design a playground on Mars:",
+            ]
+        }
+    )
 
     # One tokenizer; each agent is its own model instance.
     tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -79,8 +86,16 @@ def main():
         num_turns=1,
         max_new_tokens=args.max_new_tokens,
     )
-    wandb_config = {"project": args.wandb_project, "entity": args.wandb_entity, "name": "story-len-ratio",
-                    "tags": ["length-ratio", "magrpo"]} if args.wandb else None  # None: W&B disabled
+    wandb_config = (
+        {
+            "project": args.wandb_project,
+            "entity": args.wandb_entity,
+            "name": "story-len-ratio",
+            "tags": ["length-ratio", "magrpo"],
+        }
+        if args.wandb
+        else None
+    )  # None: W&B disabled
 
     configured_reward_func = partial(proper_length_ratio_reward, target_min=2, target_max=3)
     trainer = MAGRPOTrainer(

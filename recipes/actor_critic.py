@@ -27,8 +27,13 @@ from comlrl_trl.algorithms import ACTOR_CRITIC_ALGORITHMS, get_algorithm
 from comlrl_trl.compat import CompatTrlParser
 
 
-AC_DEFAULTS = {**DEMO_DEFAULTS, "output_dir": "outputs/actor-critic-length-ratio", "num_generations": 1,
-               "per_device_train_batch_size": 4, "critic_learning_rate": 1e-3}
+AC_DEFAULTS = {
+    **DEMO_DEFAULTS,
+    "output_dir": "outputs/actor-critic-length-ratio",
+    "num_generations": 1,
+    "per_device_train_batch_size": 4,
+    "critic_learning_rate": 1e-3,
+}
 
 
 @dataclass
@@ -36,9 +41,7 @@ class RecipeArguments(DataArguments):
     """Options of the recipe itself: the data and reward (see recipes/user_data.py), then the rest (the training and
     model options follow)."""
 
-    task: Literal[TASKS] = field(
-        default="length_ratio", metadata={"help": "Task module of comlrl_trl.tasks."}
-    )
+    task: Literal[TASKS] = field(default="length_ratio", metadata={"help": "Task module of comlrl_trl.tasks."})
     algorithm: Literal[ACTOR_CRITIC_ALGORITHMS] = field(default="iac", metadata={"help": "IAC or MAAC."})
     agent_models: list[str] | None = field(
         default=None, metadata={"help": "One model id or path per agent; default: --model_name_or_path or SmolLM2."}
@@ -69,8 +72,11 @@ def selected_algorithm(argv: list[str]) -> str:
 def make_parser(algorithm: str = "iac") -> CompatTrlParser:
     if algorithm not in ACTOR_CRITIC_ALGORITHMS:
         raise ValueError(f"--algorithm must be one of {sorted(ACTOR_CRITIC_ALGORITHMS)}, got {algorithm!r}.")
-    parser = CompatTrlParser((RecipeArguments, get_algorithm(algorithm).config_cls, ModelConfig),
-                             description=__doc__, formatter_class=HelpFormatter)
+    parser = CompatTrlParser(
+        (RecipeArguments, get_algorithm(algorithm).config_cls, ModelConfig),
+        description=__doc__,
+        formatter_class=HelpFormatter,
+    )
     parser.set_defaults(**AC_DEFAULTS)
     return parser
 

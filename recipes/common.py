@@ -56,8 +56,11 @@ def default_model(model_args: ModelConfig) -> str:
 
 def model_init_kwargs(model_args: ModelConfig) -> dict[str, Any]:
     """`MAGRPOConfig.model_init_kwargs` from TRL's `ModelConfig`: dtype, attention implementation and revision."""
-    return {"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation,
-            "revision": model_args.model_revision}
+    return {
+        "dtype": model_args.dtype,
+        "attn_implementation": model_args.attn_implementation,
+        "revision": model_args.model_revision,
+    }
 
 
 def as_chat(formatter: Callable) -> Callable:
@@ -118,14 +121,19 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
         json.dump(summary, f, indent=2)
     lines = [f"trained in {seconds:.0f} s, {trainer.env_step} joint actions scored"]
     if rewards:
-        lines.append(f"train reward (mean of first/last fifth of logs): {summary['train_reward_first']:.3f} -> "
-                     f"{summary['train_reward_last']:.3f}")
+        lines.append(
+            f"train reward (mean of first/last fifth of logs): {summary['train_reward_first']:.3f} -> "
+            f"{summary['train_reward_last']:.3f}"
+        )
     if evals:
         lines.append(f"eval reward: {evals[0]:.3f} -> {evals[-1]:.3f}")
     lines.append(f"metrics: {metrics_path}")
     if recipe.plot:
-        plot_path = plot_reward_curve(trainer.state.log_history, os.path.join(config.output_dir, "reward_curve.png"),
-                                      title=f"{recipe.algorithm.upper()} on {recipe.task}")
+        plot_path = plot_reward_curve(
+            trainer.state.log_history,
+            os.path.join(config.output_dir, "reward_curve.png"),
+            title=f"{recipe.algorithm.upper()} on {recipe.task}",
+        )
         lines.append(f"reward curve: {plot_path}")
     lines.append(f"models: {os.path.join(config.output_dir, 'models')}")
     print("\n".join(lines))

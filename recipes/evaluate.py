@@ -30,8 +30,16 @@ from comlrl_trl.compat import CompatTrlParser
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
-EVAL_DEFAULTS = dict(output_dir="outputs/evaluate", temperature=0.8, max_new_tokens=256, eval_batch_size=8,
-                     report_to="none", seed=0, num_generations=2, per_device_train_batch_size=2)
+EVAL_DEFAULTS = dict(
+    output_dir="outputs/evaluate",
+    temperature=0.8,
+    max_new_tokens=256,
+    eval_batch_size=8,
+    report_to="none",
+    seed=0,
+    num_generations=2,
+    per_device_train_batch_size=2,
+)
 
 
 @dataclass
@@ -55,14 +63,18 @@ class EvaluateArguments(DataArguments):
         default=None, metadata={"help": "Metrics JSON path (default output_dir/eval_metrics.json)."}
     )
     save_samples: bool = field(
-        default=True, metadata={"help": "Also write every sampled path (item, prompts' task id, completions per agent "
-                                        "and turn) as JSON lines next to the metrics (*.samples.jsonl)."}
+        default=True,
+        metadata={
+            "help": "Also write every sampled path (item, prompts' task id, completions per agent "
+            "and turn) as JSON lines next to the metrics (*.samples.jsonl)."
+        },
     )
 
 
 def make_parser() -> CompatTrlParser:
-    parser = CompatTrlParser((EvaluateArguments, MAGRPOConfig, ModelConfig), description=__doc__,
-                             formatter_class=HelpFormatter)
+    parser = CompatTrlParser(
+        (EvaluateArguments, MAGRPOConfig, ModelConfig), description=__doc__, formatter_class=HelpFormatter
+    )
     parser.set_defaults(**EVAL_DEFAULTS)
     return parser
 
@@ -74,11 +86,16 @@ def resolve_agents(args: EvaluateArguments, num_agents: int, model_args: ModelCo
     if args.agents:
         return list(args.agents)
     if args.model_dir:
-        names = [name for name in os.listdir(args.model_dir) if re.fullmatch(r"agent_\d+", name)] \
-            if os.path.isdir(args.model_dir) else []
+        names = (
+            [name for name in os.listdir(args.model_dir) if re.fullmatch(r"agent_\d+", name)]
+            if os.path.isdir(args.model_dir)
+            else []
+        )
         if not names:
-            raise ValueError(f"--model_dir {args.model_dir!r} holds no agent_0, agent_1, ... directories "
-                             "(as trainer.save_model writes them).")
+            raise ValueError(
+                f"--model_dir {args.model_dir!r} holds no agent_0, agent_1, ... directories "
+                "(as trainer.save_model writes them)."
+            )
         return [os.path.join(args.model_dir, f"agent_{i}") for i in range(len(names))]
     return [default_model(model_args)] * num_agents
 
@@ -91,8 +108,9 @@ def evaluation_items(args: EvaluateArguments, config: MAGRPOConfig):
     if args.dataset_name is not None:
         items = task.eval_dataset
         if items is None:
-            raise ValueError(f"--dataset_test_split {args.dataset_test_split!r} is not a split of "
-                             f"{args.dataset_name!r}.")
+            raise ValueError(
+                f"--dataset_test_split {args.dataset_test_split!r} is not a split of {args.dataset_name!r}."
+            )
     else:
         items = task.eval_dataset if args.split == "eval" else task.train_dataset
     count = len(items) if args.max_items is None else min(args.max_items, len(items))
@@ -107,12 +125,19 @@ class SampleRecorder:
         self.samples = []
 
     def logger(self, *, agent_completions_turns, batch_items, prompts):
-        rows = (self.eval_logger(agent_completions_turns=agent_completions_turns, batch_items=batch_items,
-                                 prompts=prompts) if self.eval_logger is not None else [{} for _ in batch_items])
+        rows = (
+            self.eval_logger(agent_completions_turns=agent_completions_turns, batch_items=batch_items, prompts=prompts)
+            if self.eval_logger is not None
+            else [{} for _ in batch_items]
+        )
         for i, item in enumerate(batch_items):
-            self.samples.append({"item": {key: value for key, value in item.items() if isinstance(value, str)},
-                                 "completions": [agent[i] for agent in agent_completions_turns],
-                                 "metrics": {k: v for k, v in rows[i].items() if isinstance(v, (int, float))}})
+            self.samples.append(
+                {
+                    "item": {key: value for key, value in item.items() if isinstance(value, str)},
+                    "completions": [agent[i] for agent in agent_completions_turns],
+                    "metrics": {k: v for k, v in rows[i].items() if isinstance(v, (int, float))},
+                }
+            )
         return rows
 
     def aggregator(self, rows, *, num_turns):
@@ -144,11 +169,20 @@ def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig)
     metrics = trainer.evaluate(num_eval_samples=len(items))
     seconds = time.perf_counter() - started
     report = {
-        "task": args.task, "dataset": args.dataset_name, "agents": agents,
+        "task": args.task,
+        "dataset": args.dataset_name,
+        "agents": agents,
         "split": args.dataset_test_split if args.dataset_name else args.split,
-        "items": len(items) // args.num_samples, "num_samples": args.num_samples, "num_turns": config.num_turns,
-        "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p,
-        "chat": args.chat, "seed": config.seed, "seconds": round(seconds, 1), "metrics": metrics,
+        "items": len(items) // args.num_samples,
+        "num_samples": args.num_samples,
+        "num_turns": config.num_turns,
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "chat": args.chat,
+        "seed": config.seed,
+        "seconds": round(seconds, 1),
+        "metrics": metrics,
         "arguments": asdict(args),
     }
     if trainer.accelerator.is_main_process:

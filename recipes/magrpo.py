@@ -46,21 +46,26 @@ class RecipeArguments(DataArguments):
     )
     agent_models: list[str] | None = field(
         default=None,
-        metadata={"help": "One model id or path per agent (heterogeneous team); default: --model_name_or_path "
-                          "for every agent, or the embedded SmolLM2 demo model."},
+        metadata={
+            "help": "One model id or path per agent (heterogeneous team); default: --model_name_or_path "
+            "for every agent, or the embedded SmolLM2 demo model."
+        },
     )
     chat: bool = field(
         default=True,
-        metadata={"help": "Send each agent's prompt as a user message, so the tokenizer's chat template applies "
-                          "(instruct models then answer and stop); false sends the plain text."},
+        metadata={
+            "help": "Send each agent's prompt as a user message, so the tokenizer's chat template applies "
+            "(instruct models then answer and stop); false sends the plain text."
+        },
     )
     max_train_items: int | None = field(default=None, metadata={"help": "Use only the first N training items."})
     plot: bool = field(default=True, metadata={"help": "Write reward_curve.png into output_dir."})
 
 
 def make_parser() -> CompatTrlParser:
-    parser = CompatTrlParser((RecipeArguments, MAGRPOConfig, ModelConfig), description=__doc__,
-                             formatter_class=HelpFormatter)
+    parser = CompatTrlParser(
+        (RecipeArguments, MAGRPOConfig, ModelConfig), description=__doc__, formatter_class=HelpFormatter
+    )
     parser.set_defaults(**DEMO_DEFAULTS)
     return parser
 

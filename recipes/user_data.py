@@ -35,8 +35,10 @@ class DataArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub id or local path (.json/.jsonl/.parquet/.csv file, save_to_disk directory, or a "
-                          "directory of data files) of your own data; default: the --task's built-in data."},
+        metadata={
+            "help": "Hub id or local path (.json/.jsonl/.parquet/.csv file, save_to_disk directory, or a "
+            "directory of data files) of your own data; default: the --task's built-in data."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of --dataset_name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of --dataset_name to train on."})
@@ -48,8 +50,10 @@ class DataArguments:
     )
     reward_func: str | None = field(
         default=None,
-        metadata={"help": "Your reward as module:function (importable module or path/to/file.py); it replaces the "
-                          "--task's reward and formatters."},
+        metadata={
+            "help": "Your reward as module:function (importable module or path/to/file.py); it replaces the "
+            "--task's reward and formatters."
+        },
     )
 
 
@@ -57,14 +61,17 @@ def load_user_splits(args: DataArguments) -> tuple[Dataset, Dataset | None]:
     """`(train, test)` splits of `--dataset_name`; `test` is None when the data has no `--dataset_test_split`."""
     splits = _load(args.dataset_name, args.dataset_config)
     if args.dataset_train_split not in splits:
-        raise ValueError(f"--dataset_train_split {args.dataset_train_split!r} is not a split of "
-                         f"{args.dataset_name!r}; its splits are {sorted(splits)}.")
+        raise ValueError(
+            f"--dataset_train_split {args.dataset_train_split!r} is not a split of "
+            f"{args.dataset_name!r}; its splits are {sorted(splits)}."
+        )
     return splits[args.dataset_train_split], splits.get(args.dataset_test_split)
 
 
 def _load(name: str, config: str | None) -> DatasetDict:
-    if os.path.isdir(name) and (os.path.isfile(os.path.join(name, "dataset_dict.json"))
-                                or os.path.isfile(os.path.join(name, "state.json"))):
+    if os.path.isdir(name) and (
+        os.path.isfile(os.path.join(name, "dataset_dict.json")) or os.path.isfile(os.path.join(name, "state.json"))
+    ):
         loaded = load_from_disk(name)
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
     extension = os.path.splitext(name)[1].lower()
@@ -123,14 +130,21 @@ def load_task(task_name: str, data: DataArguments, num_agents: int, max_train_it
         train, evaluation = load_user_splits(data)
     if max_train_items is not None:
         train = train.select(range(min(max_train_items, len(train))))
-    pieces = SimpleNamespace(train_dataset=train, eval_dataset=evaluation, formatters=task.formatters(),
-                             reward=task.reward, transition=getattr(task, "transition", None),
-                             eval_logger=getattr(task, "eval_logger", None),
-                             eval_aggregator=getattr(task, "eval_aggregator", None))
+    pieces = SimpleNamespace(
+        train_dataset=train,
+        eval_dataset=evaluation,
+        formatters=task.formatters(),
+        reward=task.reward,
+        transition=getattr(task, "transition", None),
+        eval_logger=getattr(task, "eval_logger", None),
+        eval_aggregator=getattr(task, "eval_aggregator", None),
+    )
     if data.reward_func is not None:
         if data.prompt_column not in train.column_names:
-            raise ValueError(f"--prompt_column {data.prompt_column!r} is not a column of {data.dataset_name!r}; its "
-                             f"columns are {train.column_names}.")
+            raise ValueError(
+                f"--prompt_column {data.prompt_column!r} is not a column of {data.dataset_name!r}; its "
+                f"columns are {train.column_names}."
+            )
         pieces.reward = load_reward_func(data.reward_func)
         pieces.formatters = [column_formatter(data.prompt_column)] * num_agents
         pieces.transition = pieces.eval_logger = pieces.eval_aggregator = None

@@ -32,7 +32,9 @@ def llama_path():
 
 @pytest.fixture
 def prompts_dataset():
-    return Dataset.from_dict({"prompt": [f"Write a story about item {i}:" for i in range(8)], "target": list(range(8))})
+    return Dataset.from_dict(
+        {"prompt": [f"Write a story about item {i}:" for i in range(8)], "target": list(range(8))}
+    )
 
 
 @pytest.fixture
@@ -56,7 +58,9 @@ def make_config(tmp_path):
         if config_cls._default_batch_size is MAGRPOConfig._default_batch_size:
             # One task item per step (the default is four): these tests count steps, logs and evaluations in items.
             k = overrides.get("num_generations", settings["num_generations"])
-            settings["per_device_train_batch_size"] = k or overrides["preference_num_candidates"]  # MADPO: K = candidates
+            settings["per_device_train_batch_size"] = (
+                k or overrides["preference_num_candidates"]
+            )  # MADPO: K = candidates
         settings.update(overrides)
         return config_cls(**settings)
 

@@ -16,8 +16,14 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 
 
 def _config(make_config, config_cls=IACConfig, **overrides):
-    settings = dict(config_cls=config_cls, num_generations=1, per_device_train_batch_size=4, max_new_tokens=6,
-                    learning_rate=0.05, lr_scheduler_type="constant")
+    settings = dict(
+        config_cls=config_cls,
+        num_generations=1,
+        per_device_train_batch_size=4,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+    )
     settings.update(overrides)
     return make_config(**settings)
 
@@ -32,8 +38,12 @@ def _logged(trainer, key):
 
 @pytest.mark.parametrize("critic_type", ["v", "q"])
 def test_iac_shared_heads_train_with_the_actors(qwen_path, make_config, critic_type):
-    trainer = IACTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                         args=_config(make_config, use_separate_critic=False, critic_type=critic_type))
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, use_separate_critic=False, critic_type=critic_type),
+    )
     assert trainer.critics == []
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
@@ -46,8 +56,13 @@ def test_iac_shared_heads_train_with_the_actors(qwen_path, make_config, critic_t
 
 @pytest.mark.parametrize("critic_type", ["v", "q"])
 def test_iac_separate_critics_and_actors_all_change(qwen_path, make_config, critic_type):
-    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                         args=_config(make_config, critic_type=critic_type, critic_learning_rate=0.01))
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, critic_type=critic_type, critic_learning_rate=0.01),
+    )
     assert len(trainer.critics) == 2 and trainer.critics[0] is not trainer.critics[1]
     actors = [snapshot(model) for model in trainer.agents]
     critics = [snapshot(critic) for critic in trainer.critics]
@@ -61,9 +76,15 @@ def test_iac_separate_critics_and_actors_all_change(qwen_path, make_config, crit
 
 @pytest.mark.parametrize("critic_type", ["v", "q"])
 def test_maac_trains_one_critic_once_per_joint_sample(qwen_path, make_config, critic_type):
-    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                          args=_config(make_config, MAACConfig, critic_type=critic_type, steps_per_generation=2,
-                                       per_device_train_batch_size=2))
+    trainer = MAACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(
+            make_config, MAACConfig, critic_type=critic_type, steps_per_generation=2, per_device_train_batch_size=2
+        ),
+    )
     actors = [snapshot(model) for model in trainer.agents]
     critic = snapshot(trainer.critics[0])
     calls = []
@@ -85,8 +106,15 @@ def test_value_loss_falls_on_a_fixed_reward(qwen_path, make_config, setup):
 
     config_cls = MAACConfig if setup == "maac" else IACConfig
     extra = {"use_separate_critic": setup == "separate"} if setup != "maac" else {}
-    args = _config(make_config, config_cls, num_train_epochs=4, learning_rate=1e-6, critic_learning_rate=0.005,
-                   value_clip_range=None, **extra)
+    args = _config(
+        make_config,
+        config_cls,
+        num_train_epochs=4,
+        learning_rate=1e-6,
+        critic_learning_rate=0.005,
+        value_clip_range=None,
+        **extra,
+    )
     if setup == "shared":
         args.learning_rate = 0.005  # the shared head learns with the actor's optimiser
     trainer_cls = MAACTrainer if setup == "maac" else IACTrainer
@@ -104,8 +132,11 @@ def _transition(prompt, agent_completions, num_agents, prompt_history_per_agent,
     return [f"Turn {len(prompt_history_per_agent[a]) + 1}: go on" for a in range(num_agents)]
 
 
-@pytest.mark.parametrize("trainer_cls, separate", [(IACTrainer, True), (IACTrainer, False), (MAACTrainer, None)],
-                         ids=["iac", "iac-shared", "maac"])
+@pytest.mark.parametrize(
+    "trainer_cls, separate",
+    [(IACTrainer, True), (IACTrainer, False), (MAACTrainer, None)],
+    ids=["iac", "iac-shared", "maac"],
+)
 def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config, trainer_cls, separate):
     rollouts = []
 
@@ -117,8 +148,15 @@ def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config,
     extra = {} if separate is None else {"use_separate_critic": separate}
     args = _config(make_config, config_cls, num_turns=2, discount=0.5, num_train_epochs=2, **extra)
     critic = {} if separate is False else {"critic_model": qwen_path}
-    trainer = trainer_cls(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS, args=args,
-                          external_transition=_transition, metrics_callback=callback, **critic)
+    trainer = trainer_cls(
+        agent_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=args,
+        external_transition=_transition,
+        metrics_callback=callback,
+        **critic,
+    )
     trainer.train()
     assert len(rollouts) == 16 and all(len(samples) == 4 for samples in rollouts)  # 2 agents x 2 turns per item
     assert _logged(trainer, "samples") == [4.0] * 4
@@ -126,7 +164,9 @@ def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config,
     for samples in rollouts:
         assert all(isinstance(s, RolloutSample) for s in samples)
         for a in range(2):
-            first, second = (next(s for s in samples if s.agent_idx == a and s.metadata["turn_idx"] == t) for t in (0, 1))
+            first, second = (
+                next(s for s in samples if s.agent_idx == a and s.metadata["turn_idx"] == t) for t in (0, 1)
+            )
             assert second.metadata["value_target"] == pytest.approx(second.metadata["reward"], abs=1e-6)
             expected = first.metadata["reward"] + 0.5 * second.metadata["value"]
             assert first.metadata["value_target"] == pytest.approx(expected, abs=1e-5)
@@ -137,9 +177,14 @@ def test_multi_turn_targets_bootstrap_from_the_next_turn(qwen_path, make_config,
 
 def test_rewards_per_agent_reach_each_agent(qwen_path, make_config):
     rollouts = []
-    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=lambda a, b: [1.0, -1.0],
-                         train_dataset=ITEMS, args=_config(make_config, num_generations=3, per_device_train_batch_size=6),
-                         metrics_callback=lambda samples: rollouts.append(samples) or {})
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=lambda a, b: [1.0, -1.0],
+        train_dataset=ITEMS,
+        args=_config(make_config, num_generations=3, per_device_train_batch_size=6),
+        metrics_callback=lambda samples: rollouts.append(samples) or {},
+    )
     trainer.train()
     samples = [s for batch in rollouts for s in batch]
     assert {s.metadata["reward"] for s in samples if s.agent_idx == 0} == {1.0}
@@ -149,32 +194,62 @@ def test_rewards_per_agent_reach_each_agent(qwen_path, make_config):
 
 
 def test_a_wrong_number_of_rewards_is_a_clear_error(qwen_path, make_config):
-    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=lambda a, b: [0.0] * 5,
-                         train_dataset=ITEMS, args=_config(make_config, num_generations=3, per_device_train_batch_size=3))
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=lambda a, b: [0.0] * 5,
+        train_dataset=ITEMS,
+        args=_config(make_config, num_generations=3, per_device_train_batch_size=3),
+    )
     with pytest.raises(ValueError, match=r"returned 5 values.*1 \(shared\), 3 .* 2 .*task item 0, turn 1"):
         trainer.train()
 
 
 def test_heterogeneous_actors_with_their_own_tokenizers_and_critics(qwen_path, llama_path, make_config):
     tokenizers = [AutoTokenizer.from_pretrained(p, padding_side="left") for p in (qwen_path, llama_path)]
-    iac = IACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critics=[qwen_path, llama_path],
-                     reward_func=_reward, train_dataset=ITEMS, args=_config(make_config))
+    iac = IACTrainer(
+        agents=[qwen_path, llama_path],
+        tokenizer=tokenizers,
+        critics=[qwen_path, llama_path],
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config),
+    )
     before = [snapshot(c) for c in iac.critics]
     iac.train()
     assert all(changed(b, c) for b, c in zip(before, iac.critics))
     assert [type(c.model).__name__ for c in iac.critics] == ["Qwen2ForCausalLM", "LlamaForCausalLM"]
-    maac = MAACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critic_model=qwen_path,
-                       reward_func=_reward, train_dataset=ITEMS, args=_config(make_config, MAACConfig))
+    maac = MAACTrainer(
+        agents=[qwen_path, llama_path],
+        tokenizer=tokenizers,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, MAACConfig),
+    )
     maac.train()
     with pytest.raises(ValueError, match="has 384 token embeddings but its tokenizer has 512 tokens"):
-        MAACTrainer(agents=[qwen_path, llama_path], tokenizer=tokenizers, critic_model=llama_path,
-                    reward_func=_reward, train_dataset=ITEMS, args=_config(make_config, MAACConfig))
+        MAACTrainer(
+            agents=[qwen_path, llama_path],
+            tokenizer=tokenizers,
+            critic_model=llama_path,
+            reward_func=_reward,
+            train_dataset=ITEMS,
+            args=_config(make_config, MAACConfig),
+        )
 
 
 def test_lora_actors_and_critics_train_only_adapters_and_heads(qwen_path, make_config):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                         args=_config(make_config), peft_config=lora, critic_peft_config=lora)
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config),
+        peft_config=lora,
+        critic_peft_config=lora,
+    )
     critic = trainer.critics[0]
     trainable = {name for name, p in critic.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name or name.startswith("value_head.") for name in trainable)
@@ -190,9 +265,15 @@ def test_evaluate_takes_no_count_and_averages_metrics_callback(qwen_path, make_c
         seen.append(samples)
         return {"mean_length": sum(len(s.completion) for s in samples) / len(samples), "note": "text is dropped"}
 
-    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                          eval_dataset=ITEMS, metrics_callback=callback,
-                          args=_config(make_config, MAACConfig, eval_num_samples=3))
+    trainer = MAACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        eval_dataset=ITEMS,
+        metrics_callback=callback,
+        args=_config(make_config, MAACConfig, eval_num_samples=3),
+    )
     metrics = trainer.evaluate()
     assert len(seen) == 3 and all(len(samples) == 2 for samples in seen)
     assert [s.metadata["generation_idx"] for s in seen[0]] == [0, 0]
@@ -202,8 +283,12 @@ def test_evaluate_takes_no_count_and_averages_metrics_callback(qwen_path, make_c
 
 
 def test_iac_save_model_layouts_and_head_restore(qwen_path, make_config, tmp_path):
-    shared = IACTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                        args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8))
+    shared = IACTrainer(
+        agent_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8),
+    )
     shared.train()
     shared.save_model(str(tmp_path / "shared"))
     for i in range(2):
@@ -212,9 +297,13 @@ def test_iac_save_model_layouts_and_head_restore(qwen_path, make_config, tmp_pat
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "shared" / f"agent_{i}")
         assert not hasattr(reloaded, "value_head")  # the head is not inside the model weights
     dirs = [str(tmp_path / "shared" / f"agent_{i}") for i in range(2)]
-    continued = IACTrainer(agents=dirs, tokenizer=[AutoTokenizer.from_pretrained(d) for d in dirs],
-                           reward_func=_reward, train_dataset=ITEMS,
-                           args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8))
+    continued = IACTrainer(
+        agents=dirs,
+        tokenizer=[AutoTokenizer.from_pretrained(d) for d in dirs],
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, use_separate_critic=False, value_head_hidden_dim=8),
+    )
     for i in range(2):
         head = continued.agents[i].value_head
         assert not any(p.abs().sum() > 0 for p in head.net[-1].parameters())  # a fresh head starts at zero
@@ -222,8 +311,13 @@ def test_iac_save_model_layouts_and_head_restore(qwen_path, make_config, tmp_pat
         for p, q in zip(head.parameters(), shared.agents[i].value_head.parameters()):
             assert torch.equal(p, q)
 
-    separate = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                          args=_config(make_config))
+    separate = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config),
+    )
     separate.train()
     separate.save_model(str(tmp_path / "separate"))
     for i in range(2):
@@ -235,9 +329,14 @@ def test_iac_save_model_layouts_and_head_restore(qwen_path, make_config, tmp_pat
 def _ac_trainer(path, make_config, epochs, trainer_cls=IACTrainer, **config):
     config_cls = IACConfig if trainer_cls is IACTrainer else MAACConfig
     critic = {} if config.get("use_separate_critic") is False else {"critic_model": path}
-    return trainer_cls(agent_model=path, reward_func=_reward, train_dataset=ITEMS, eval_dataset=ITEMS,
-                       args=_config(make_config, config_cls, num_train_epochs=epochs, eval_interval=4, **config),
-                       **critic)
+    return trainer_cls(
+        agent_model=path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        eval_dataset=ITEMS,
+        args=_config(make_config, config_cls, num_train_epochs=epochs, eval_interval=4, **config),
+        **critic,
+    )
 
 
 @pytest.mark.parametrize("setup", [(IACTrainer, False), (IACTrainer, True), (MAACTrainer, None)])
@@ -271,8 +370,15 @@ def test_critic_gradients_are_averaged_in_buckets_not_per_parameter():
         calls.append((tensor.numel(), tensor.dtype, reduction))
         return tensor / 2  # what a mean over two processes holding these gradients and zeros would give
 
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in
-              [((2, 3), torch.float32), ((4,), torch.float32), ((5,), torch.float32), ((3,), torch.bfloat16)]]
+    params = [
+        torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        for shape, dtype in [
+            ((2, 3), torch.float32),
+            ((4,), torch.float32),
+            ((5,), torch.float32),
+            ((3,), torch.bfloat16),
+        ]
+    ]
     for i, p in enumerate(params):
         p.grad = torch.full_like(p, float(i + 1))
     average_gradients(params, SimpleNamespace(reduce=reduce), bucket_numel=10)
@@ -284,8 +390,13 @@ def test_critic_gradients_are_averaged_in_buckets_not_per_parameter():
 def test_a_bf16_critic_keeps_fp32_master_weights_and_fp16_is_refused(qwen_path, make_config):
     """A critic loaded in bf16 is stepped by its own plain AdamW: its trainable weights are stored in fp32 (bf16
     comes from autocast), and fp16, which would need a gradient scaler for the value loss, is refused."""
-    kwargs = dict(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                  model_config={"critic_model_kwargs": {"dtype": torch.bfloat16}})
+    kwargs = dict(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        model_config={"critic_model_kwargs": {"dtype": torch.bfloat16}},
+    )
     trainer = MAACTrainer(args=_config(make_config, MAACConfig), **kwargs)
     critic = trainer.critics[0]
     assert {p.dtype for p in critic.parameters() if p.requires_grad} == {torch.float32}
@@ -300,15 +411,24 @@ def test_bf16_actor_weights_without_deepspeed_warn(qwen_path, make_config):
     from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
     with pytest.warns(UserWarning, match=r"Agent 0 trains \d+ parameters stored in torch.bfloat16 without DeepSpeed"):
-        MAGRPOTrainer(agent_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                      args=make_config(model_init_kwargs={"dtype": "bfloat16"}))
+        MAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=_reward,
+            train_dataset=ITEMS,
+            args=make_config(model_init_kwargs={"dtype": "bfloat16"}),
+        )
 
 
 def test_joint_critic_input_is_truncated_from_the_left(qwen_path, make_config):
     """The centralised critic reads the joint text of every agent: at most num_agents * max_prompt_length tokens
     for a V critic, cut from the left so that the last token, where the value is read, stays."""
-    trainer = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=_reward, train_dataset=ITEMS,
-                          args=_config(make_config, MAACConfig, max_prompt_length=4))
+    trainer = MAACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, MAACConfig, max_prompt_length=4),
+    )
     critic_set = trainer.critic_set
     long_text = "Item 1: say something long enough " * 4
     full = critic_set.tokenizer(long_text, add_special_tokens=False)["input_ids"]

@@ -17,10 +17,26 @@ ROOT = Path(__file__).parents[1]
 ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
 # Agent 0 never moves (lr 0) and samples exactly 6 tokens; agent 1 learns and samples exactly 3.
 OVERRIDES = [
-    {"learning_rate": 0.0, "lr_scheduler_type": "linear", "weight_decay": 0.0, "temperature": 0.7, "top_p": 0.9,
-     "top_k": 5, "max_new_tokens": 6, "generation_kwargs": {"min_new_tokens": 6}},
-    {"agent_learning_rate": 0.05, "lr_scheduler_type": "constant", "weight_decay": 0.25, "temperature": 1.3,
-     "top_p": 1.0, "top_k": None, "max_new_tokens": 3, "generation_kwargs": {"min_new_tokens": 3}},
+    {
+        "learning_rate": 0.0,
+        "lr_scheduler_type": "linear",
+        "weight_decay": 0.0,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_new_tokens": 6,
+        "generation_kwargs": {"min_new_tokens": 6},
+    },
+    {
+        "agent_learning_rate": 0.05,
+        "lr_scheduler_type": "constant",
+        "weight_decay": 0.25,
+        "temperature": 1.3,
+        "top_p": 1.0,
+        "top_k": None,
+        "max_new_tokens": 3,
+        "generation_kwargs": {"min_new_tokens": 3},
+    },
 ]
 
 
@@ -40,50 +56,107 @@ def _record_generation_configs(trainer):
 
 
 def _magrpo(path, make_config):
-    return MAGRPOTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                         args=make_config(agent_overrides=OVERRIDES))
+    return MAGRPOTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(agent_overrides=OVERRIDES),
+    )
 
 
 def _marloo(path, make_config):
-    return MARLOOTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                         args=make_config(MARLOOConfig, agent_overrides=OVERRIDES))
+    return MARLOOTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(MARLOOConfig, agent_overrides=OVERRIDES),
+    )
 
 
 def _iac(path, make_config):
-    return IACTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                      args=make_config(IACConfig, num_generations=1, per_device_train_batch_size=4,
-                                       use_separate_critic=False, agent_overrides=OVERRIDES))
+    return IACTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(
+            IACConfig,
+            num_generations=1,
+            per_device_train_batch_size=4,
+            use_separate_critic=False,
+            agent_overrides=OVERRIDES,
+        ),
+    )
 
 
 def _maac(path, make_config):
-    return MAACTrainer(agent_model=path, critic_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                       args=make_config(MAACConfig, num_generations=1, per_device_train_batch_size=4,
-                                        agent_overrides=OVERRIDES))
+    return MAACTrainer(
+        agent_model=path,
+        critic_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(MAACConfig, num_generations=1, per_device_train_batch_size=4, agent_overrides=OVERRIDES),
+    )
 
 
 def _madpo(path, make_config):
-    return MADPOTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                        args=make_config(MADPOConfig, num_generations=None, preference_num_candidates=4,
-                                         preference_pairs_per_sample=2, agent_overrides=OVERRIDES))
+    return MADPOTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(
+            MADPOConfig,
+            num_generations=None,
+            preference_num_candidates=4,
+            preference_pairs_per_sample=2,
+            agent_overrides=OVERRIDES,
+        ),
+    )
 
 
 def _marlhf(path, make_config):
-    return MARLHFTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                         args=make_config(MARLHFConfig, num_generations=2, preference_num_candidates=4,
-                                          preference_pairs_per_sample=2, reward_learning_rate=1e-3,
-                                          agent_overrides=OVERRIDES))
+    return MARLHFTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(
+            MARLHFConfig,
+            num_generations=2,
+            preference_num_candidates=4,
+            preference_pairs_per_sample=2,
+            reward_learning_rate=1e-3,
+            agent_overrides=OVERRIDES,
+        ),
+    )
 
 
 def _marlhf_iac(path, make_config):
-    return MARLHFTrainer(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                         args=make_config(MARLHFConfig, rl_algorithm="iac", num_generations=1,
-                                          per_device_train_batch_size=4, use_separate_critic=False,
-                                          preference_num_candidates=4, preference_pairs_per_sample=2,
-                                          reward_learning_rate=1e-3, agent_overrides=OVERRIDES))
+    return MARLHFTrainer(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(
+            MARLHFConfig,
+            rl_algorithm="iac",
+            num_generations=1,
+            per_device_train_batch_size=4,
+            use_separate_critic=False,
+            preference_num_candidates=4,
+            preference_pairs_per_sample=2,
+            reward_learning_rate=1e-3,
+            agent_overrides=OVERRIDES,
+        ),
+    )
 
 
-FAMILIES = {"magrpo": _magrpo, "marloo": _marloo, "iac": _iac, "maac": _maac, "madpo": _madpo, "marlhf": _marlhf,
-            "marlhf-iac": _marlhf_iac}
+FAMILIES = {
+    "magrpo": _magrpo,
+    "marloo": _marloo,
+    "iac": _iac,
+    "maac": _maac,
+    "madpo": _madpo,
+    "marlhf": _marlhf,
+    "marlhf-iac": _marlhf_iac,
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -124,37 +197,43 @@ def test_no_overrides_keeps_the_config_object(qwen_path, make_config):
     assert trainer._team[1].args.learning_rate == config.learning_rate
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([{"num_generations": 8}, {}], r"agent_overrides\[0\]: num_generations is a team setting"),
-    ([{}, {"joint_mode": "cross"}], r"agent_overrides\[1\]: joint_mode is a team setting"),
-    ([{}, {"num_turns": 2}], r"agent_overrides\[1\]: num_turns is a team setting"),
-    ([{"lerning_rate": 1e-5}, {}], r"agent_overrides\[0\]: unknown key 'lerning_rate'. Per-agent keys: "),
-    ([{"reference_kl_coef": 0.1}, {}], r"agent_overrides\[0\]: `reference_kl_coef` is a CoMLRL field.*`beta`"),
-    ([{}], r"a list of num_agents=2 dicts"),
-    ([{}, None], r"agent_overrides\[1\] must be a dict"),
-    ([{"temperature": 0}, {}], r"agent_overrides\[0\]: temperature must be a number > 0, got 0"),
-    ([{"top_p": 1.5}, {}], r"top_p must be a number in \(0, 1\], got 1.5"),
-    ([{"max_new_tokens": 0}, {}], r"max_new_tokens must be an integer >= 1"),
-    ([{"lr_scheduler_type": "cosine_decay"}, {}], r"lr_scheduler_type must be one of 'linear', 'cosine'"),
-    ([{"learning_rate": 1e-5, "agent_learning_rate": 2e-5}, {}], r"sets learning_rate twice"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([{"num_generations": 8}, {}], r"agent_overrides\[0\]: num_generations is a team setting"),
+        ([{}, {"joint_mode": "cross"}], r"agent_overrides\[1\]: joint_mode is a team setting"),
+        ([{}, {"num_turns": 2}], r"agent_overrides\[1\]: num_turns is a team setting"),
+        ([{"lerning_rate": 1e-5}, {}], r"agent_overrides\[0\]: unknown key 'lerning_rate'. Per-agent keys: "),
+        ([{"reference_kl_coef": 0.1}, {}], r"agent_overrides\[0\]: `reference_kl_coef` is a CoMLRL field.*`beta`"),
+        ([{}], r"a list of num_agents=2 dicts"),
+        ([{}, None], r"agent_overrides\[1\] must be a dict"),
+        ([{"temperature": 0}, {}], r"agent_overrides\[0\]: temperature must be a number > 0, got 0"),
+        ([{"top_p": 1.5}, {}], r"top_p must be a number in \(0, 1\], got 1.5"),
+        ([{"max_new_tokens": 0}, {}], r"max_new_tokens must be an integer >= 1"),
+        ([{"lr_scheduler_type": "cosine_decay"}, {}], r"lr_scheduler_type must be one of 'linear', 'cosine'"),
+        ([{"learning_rate": 1e-5, "agent_learning_rate": 2e-5}, {}], r"sets learning_rate twice"),
+    ],
+)
 def test_bad_overrides_are_refused(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         MAGRPOConfig(output_dir=str(tmp_path), agent_overrides=overrides)
 
 
-
 def test_overrides_from_yaml_and_command_line(tmp_path):
     config = tmp_path / "team.yaml"
-    config.write_text("agent_overrides:\n  - {learning_rate: 1.0e-4, temperature: 0.6}\n"
-                      "  - {learning_rate: 2.0e-5, max_new_tokens: 16, generation_kwargs: {repetition_penalty: 1.1}}\n")
+    config.write_text(
+        "agent_overrides:\n  - {learning_rate: 1.0e-4, temperature: 0.6}\n"
+        "  - {learning_rate: 2.0e-5, max_new_tokens: 16, generation_kwargs: {repetition_penalty: 1.1}}\n"
+    )
     parser = _recipe().make_parser()
     _, args, _ = parser.parse_args_and_config(args=["--config", str(config), "--output_dir", str(tmp_path)])
-    assert args.agent_overrides == [{"learning_rate": 1e-4, "temperature": 0.6},
-                                    {"learning_rate": 2e-5, "max_completion_length": 16,
-                                     "generation_kwargs": {"repetition_penalty": 1.1}}]
-    _, args, _ = parser.parse_args_and_config(args=[
-        "--output_dir", str(tmp_path), "--agent_overrides", '[{"top_k": 20}, {"weight_decay": 0.1}]'])
+    assert args.agent_overrides == [
+        {"learning_rate": 1e-4, "temperature": 0.6},
+        {"learning_rate": 2e-5, "max_completion_length": 16, "generation_kwargs": {"repetition_penalty": 1.1}},
+    ]
+    _, args, _ = parser.parse_args_and_config(
+        args=["--output_dir", str(tmp_path), "--agent_overrides", '[{"top_k": 20}, {"weight_decay": 0.1}]']
+    )
     assert args.agent_overrides == [{"top_k": 20}, {"weight_decay": 0.1}]
 
 

@@ -61,8 +61,18 @@ def test_each_name_maps_to_its_classes(name):
 
 
 def test_name_groups():
-    assert ALGORITHMS == ("magrpo", "mareinforce", "marloo", "maremax", "centralized_magrpo", "iac", "maac", "madpo",
-                          "marlhf", "marlhf_iter")
+    assert ALGORITHMS == (
+        "magrpo",
+        "mareinforce",
+        "marloo",
+        "maremax",
+        "centralized_magrpo",
+        "iac",
+        "maac",
+        "madpo",
+        "marlhf",
+        "marlhf_iter",
+    )
     assert REINFORCE_ALGORITHMS == ("magrpo", "mareinforce", "marloo", "maremax")
     assert ACTOR_CRITIC_ALGORITHMS == ("iac", "maac")
     assert RL_STAGE_ALGORITHMS == ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac")
@@ -77,8 +87,9 @@ def test_names_agree_with_the_classes():
         assert default_config_cls is algorithm.config_cls, name
     for name in REINFORCE_ALGORITHMS:
         algorithm = get_algorithm(name)
-        assert {f.name: f.default for f in dataclasses.fields(algorithm.config_cls)}["advantage_mode"] == \
-            algorithm.advantage_mode
+        assert {f.name: f.default for f in dataclasses.fields(algorithm.config_cls)}[
+            "advantage_mode"
+        ] == algorithm.advantage_mode
     rl_algorithm = {f.name: f for f in dataclasses.fields(MARLHFConfig)}["rl_algorithm"]
     assert typing.get_args(rl_algorithm.type) == RL_STAGE_ALGORITHMS
 
@@ -94,7 +105,9 @@ def test_unknown_name_lists_the_known_ones(name):
 
 def test_import_loads_no_trainer():
     """Trainer modules may import comlrl_trl.algorithms without a cycle: it imports them only on lookup."""
-    code = ("import sys, comlrl_trl.algorithms as a; assert not [m for m in sys.modules if m.startswith("
-            "'comlrl_trl.trainers')]; a.get_algorithm('iac'); assert 'comlrl_trl.trainers.actor_critic' in sys.modules"
-            "; assert 'comlrl_trl.trainers.preference' not in sys.modules")
+    code = (
+        "import sys, comlrl_trl.algorithms as a; assert not [m for m in sys.modules if m.startswith("
+        "'comlrl_trl.trainers')]; a.get_algorithm('iac'); assert 'comlrl_trl.trainers.actor_critic' in sys.modules"
+        "; assert 'comlrl_trl.trainers.preference' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -34,7 +34,8 @@ def test_tagged_adapter_prompt_and_parsing():
         "do not merge them or add commentary outside the required tags.\n\n"
         "Agent 0 original prompt:\nBe brief.\n\nAgent 1 original prompt:\nBe long.\n\n"
         "Return exactly one section for each agent in this format:\n"
-        "<agent_0>\n...\n</agent_0>\n<agent_1>\n...\n</agent_1>\n")
+        "<agent_0>\n...\n</agent_0>\n<agent_1>\n...\n</agent_1>\n"
+    )
     assert adapter.parse_completion("x <agent_0> a </agent_0>\n< AGENT_1 >b\nc</agent_1 >", {}, 2) == ["a", "b\nc"]
     assert adapter.parse_completion("<agent_1>only</agent_1>", {}, 2) == ["", "only"]
     with pytest.raises(CentralizedComparatorParseError):
@@ -50,9 +51,14 @@ def test_one_policy_learns_from_the_roles_joint_reward(qwen_path, make_config):
         return [float(len(b) - len(a)) for a, b in zip(first, second)]
 
     trainer = CentralizedMAGRPOTrainer(
-        centralized_adapter=adapter, num_agents=2, agent_model=qwen_path, reward_func=reward, train_dataset=ITEMS,
+        centralized_adapter=adapter,
+        num_agents=2,
+        agent_model=qwen_path,
+        reward_func=reward,
+        train_dataset=ITEMS,
         formatters=[lambda item: "brief: " + item["prompt"], lambda item: "long: " + item["prompt"]],
-        args=make_config(CentralizedMAGRPOConfig, num_agents=2))
+        args=make_config(CentralizedMAGRPOConfig, num_agents=2),
+    )
     assert len(trainer.agents) == 1 and trainer.num_roles == 2 and trainer.args.num_agents == 1
     before = snapshot(trainer.agents[0])
     trainer.train()
@@ -63,7 +69,7 @@ def test_one_policy_learns_from_the_roles_joint_reward(qwen_path, make_config):
     # one reward call per item, one list per role: the K completions split at character 3
     assert len(calls) == 4 and [c[2] for c in calls] == [f"Item {i}: say something" for i in range(4)]
     for (first, second, _), start in zip(calls, range(0, 16, 4)):
-        completions = adapter.completions[start:start + 4]
+        completions = adapter.completions[start : start + 4]
         assert first == [c[:3] for c in completions] and second == [c[3:] for c in completions]
 
 
@@ -79,9 +85,14 @@ def test_unparsable_completions_give_empty_roles_and_eval_logger_sees_roles(qwen
         return [{"empty": float(role0[0] == "")} for role0 in agent_completions_turns[0]]
 
     trainer = CentralizedMAGRPOTrainer(
-        agent_model=qwen_path, reward_func=reward, train_dataset=ITEMS, eval_dataset=ITEMS,
-        eval_logger=eval_logger, eval_aggregator=lambda rows, num_turns: {"empty": sum(r["empty"] for r in rows)},
-        args=make_config(CentralizedMAGRPOConfig, max_steps=1))
+        agent_model=qwen_path,
+        reward_func=reward,
+        train_dataset=ITEMS,
+        eval_dataset=ITEMS,
+        eval_logger=eval_logger,
+        eval_aggregator=lambda rows, num_turns: {"empty": sum(r["empty"] for r in rows)},
+        args=make_config(CentralizedMAGRPOConfig, max_steps=1),
+    )
     trainer.train()
     metrics = trainer.evaluate(num_eval_samples=2)
     # a random tiny model writes no <agent_i> tags: every role output is ""
@@ -90,15 +101,22 @@ def test_unparsable_completions_give_empty_roles_and_eval_logger_sees_roles(qwen
     assert metrics["eval/empty"] == 2.0
 
 
-@pytest.mark.parametrize("kwargs, config, error, message", [
-    ({"agents": ["a", "b"]}, {}, ValueError, "agents must hold one model"),
-    ({"num_agents": 3}, {}, ValueError, r"num_agents=3 must equal args.num_agents=2"),
-    ({"tokenizer": [None, None]}, {}, ValueError, "pass one tokenizer"),
-    ({"centralized_adapter": object()}, {}, TypeError, "centralized_adapter.build_prompt must be callable"),
-])
+@pytest.mark.parametrize(
+    "kwargs, config, error, message",
+    [
+        ({"agents": ["a", "b"]}, {}, ValueError, "agents must hold one model"),
+        ({"num_agents": 3}, {}, ValueError, r"num_agents=3 must equal args.num_agents=2"),
+        ({"tokenizer": [None, None]}, {}, ValueError, "pass one tokenizer"),
+        ({"centralized_adapter": object()}, {}, TypeError, "centralized_adapter.build_prompt must be callable"),
+    ],
+)
 def test_trainer_errors(kwargs, config, error, message, qwen_path, make_config):
-    args = dict(agent_model=qwen_path, reward_func=lambda a, b: [0.0] * len(a), train_dataset=ITEMS,
-                args=make_config(CentralizedMAGRPOConfig, **config))
+    args = dict(
+        agent_model=qwen_path,
+        reward_func=lambda a, b: [0.0] * len(a),
+        train_dataset=ITEMS,
+        args=make_config(CentralizedMAGRPOConfig, **config),
+    )
     args.update(kwargs)
     if "agents" in kwargs:
         args.pop("agent_model")
@@ -106,11 +124,14 @@ def test_trainer_errors(kwargs, config, error, message, qwen_path, make_config):
         CentralizedMAGRPOTrainer(**args)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"num_turns": 2}, "supports num_turns=1 only"),
-    ({"agent_overrides": [{}, {}]}, "trains one policy"),
-    ({"collaboration_mode": "centralized"}, "CentralizedMAGRPOTrainer with CentralizedMAGRPOConfig"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"num_turns": 2}, "supports num_turns=1 only"),
+        ({"agent_overrides": [{}, {}]}, "trains one policy"),
+        ({"collaboration_mode": "centralized"}, "CentralizedMAGRPOTrainer with CentralizedMAGRPOConfig"),
+    ],
+)
 def test_config_errors(settings, message, tmp_path):
     with pytest.raises((TypeError, ValueError), match=message):
         CentralizedMAGRPOConfig(output_dir=str(tmp_path), **settings)

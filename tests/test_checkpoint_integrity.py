@@ -18,11 +18,13 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 
 
 def _trainer(path, make_config, epochs=1, callbacks=None, reward=length_ratio_reward, **config):
-    settings = dict(num_train_epochs=epochs, num_generations=2, max_new_tokens=6, learning_rate=0.05,
-                    lr_scheduler_type="constant")
+    settings = dict(
+        num_train_epochs=epochs, num_generations=2, max_new_tokens=6, learning_rate=0.05, lr_scheduler_type="constant"
+    )
     settings.update(config)
-    return MAGRPOTrainer(agent_model=path, reward_func=reward, train_dataset=ITEMS, args=make_config(**settings),
-                         callbacks=callbacks)
+    return MAGRPOTrainer(
+        agent_model=path, reward_func=reward, train_dataset=ITEMS, args=make_config(**settings), callbacks=callbacks
+    )
 
 
 @pytest.fixture
@@ -84,13 +86,16 @@ def _damage(checkpoint, how):
         (checkpoint / how).unlink()
 
 
-@pytest.mark.parametrize("how, named", [
-    ("agent_1/optimizer.pt", "agent_1/optimizer.pt is missing"),
-    ("agent_0/scheduler.pt", "agent_0/scheduler.pt is missing"),
-    ("rng_state.pth", "rng_state.pth is missing"),
-    ("flip a byte", "agent_0/model.safetensors is damaged"),
-    ("swap agents", "agent_0/model.safetensors is damaged"),
-])
+@pytest.mark.parametrize(
+    "how, named",
+    [
+        ("agent_1/optimizer.pt", "agent_1/optimizer.pt is missing"),
+        ("agent_0/scheduler.pt", "agent_0/scheduler.pt is missing"),
+        ("rng_state.pth", "rng_state.pth is missing"),
+        ("flip a byte", "agent_0/model.safetensors is damaged"),
+        ("swap agents", "agent_0/model.safetensors is damaged"),
+    ],
+)
 def test_resume_verifies_every_file(qwen_path, make_config, saved, tmp_path, how, named):
     copy = tmp_path / "copy" / "checkpoint-1"
     shutil.copytree(saved, copy)
@@ -105,17 +110,28 @@ def test_resume_verifies_every_file(qwen_path, make_config, saved, tmp_path, how
 
 
 def test_resume_refuses_changed_settings_and_lists_them(qwen_path, make_config, saved):
-    changed = _trainer(qwen_path, make_config, epochs=2, learning_rate=0.01, lr_scheduler_type="linear",
-                       advantage_mode="rloo", beta=0.1, temperature=0.7, loss_type="grpo")
+    changed = _trainer(
+        qwen_path,
+        make_config,
+        epochs=2,
+        learning_rate=0.01,
+        lr_scheduler_type="linear",
+        advantage_mode="rloo",
+        beta=0.1,
+        temperature=0.7,
+        loss_type="grpo",
+    )
     with pytest.raises(ValueError) as raised:
         changed.train(resume_from_checkpoint=str(saved))
     message = str(raised.value)
-    for line in ("learning_rate: checkpoint has 0.05, this trainer has 0.01",
-                 "lr_scheduler_type: checkpoint has 'constant', this trainer has 'linear'",
-                 "advantage_mode: checkpoint has 'mean', this trainer has 'rloo'",
-                 "beta: checkpoint has 0.0, this trainer has 0.1",
-                 "temperature: checkpoint has 1.0, this trainer has 0.7",
-                 "loss_type: checkpoint has 'dapo', this trainer has 'grpo'"):
+    for line in (
+        "learning_rate: checkpoint has 0.05, this trainer has 0.01",
+        "lr_scheduler_type: checkpoint has 'constant', this trainer has 'linear'",
+        "advantage_mode: checkpoint has 'mean', this trainer has 'rloo'",
+        "beta: checkpoint has 0.0, this trainer has 0.1",
+        "temperature: checkpoint has 1.0, this trainer has 0.7",
+        "loss_type: checkpoint has 'dapo', this trainer has 'grpo'",
+    ):
         assert line in message
     assert "num_train_epochs and max_steps may grow" in message
     more_epochs = _trainer(qwen_path, make_config, epochs=2)
@@ -151,10 +167,13 @@ def test_a_read_only_checkpoint_dir_fails_before_training(qwen_path, make_config
     assert calls.steps == 0
 
 
-@pytest.mark.parametrize("failure", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374"),  # torch.save's own
-])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374"),  # torch.save's own
+    ],
+)
 def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(qwen_path, make_config, tmp_path, monkeypatch, failure):
     real_save = torch.save
 
@@ -179,12 +198,25 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
     from comlrl_trl.trainers.preference import MARLHFConfig, MARLHFTrainer
 
     def build(**overrides):
-        settings = dict(config_cls=MARLHFConfig, num_generations=2, max_new_tokens=6, learning_rate=0.05,
-                        lr_scheduler_type="constant", preference_num_candidates=4, preference_pairs_per_sample=2,
-                        reward_learning_rate=1e-3, reward_num_train_epochs=1, num_train_epochs=1)
+        settings = dict(
+            config_cls=MARLHFConfig,
+            num_generations=2,
+            max_new_tokens=6,
+            learning_rate=0.05,
+            lr_scheduler_type="constant",
+            preference_num_candidates=4,
+            preference_pairs_per_sample=2,
+            reward_learning_rate=1e-3,
+            reward_num_train_epochs=1,
+            num_train_epochs=1,
+        )
         settings.update(overrides)
-        return MARLHFTrainer(agent_model=qwen_path, train_dataset=ITEMS, args=make_config(**settings),
-                             reward_func=lambda a, b: [float(len(y) // 8 - len(x) // 8) for x, y in zip(a, b)])
+        return MARLHFTrainer(
+            agent_model=qwen_path,
+            train_dataset=ITEMS,
+            args=make_config(**settings),
+            reward_func=lambda a, b: [float(len(y) // 8 - len(x) // 8) for x, y in zip(a, b)],
+        )
 
     build().train(checkpoint_dir=tmp_path / "ckpt")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no lock, no staging left
@@ -201,4 +233,5 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
     assert "rl/agent_1/optimizer.pt is missing" in str(raised.value)
     with pytest.raises(ValueError, match="reward_learning_rate: checkpoint has 0.001, this trainer has 0.01"):
         build(num_train_epochs=2, reward_learning_rate=1e-2).train(
-            resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2"))
+            resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2")
+        )

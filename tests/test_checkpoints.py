@@ -22,11 +22,23 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 
 
 def _trainer(path, make_config, epochs, trainer_cls=MAGRPOTrainer, **kwargs):
-    config = dict(num_train_epochs=epochs, num_generations=2, max_new_tokens=6, learning_rate=0.05,
-                  lr_scheduler_type="constant", eval_interval=2)
+    config = dict(
+        num_train_epochs=epochs,
+        num_generations=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        eval_interval=2,
+    )
     config.update(kwargs.pop("config", {}))
-    return trainer_cls(agent_model=path, reward_func=length_ratio_reward, train_dataset=ITEMS, eval_dataset=ITEMS,
-                       args=make_config(**config), **kwargs)
+    return trainer_cls(
+        agent_model=path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        eval_dataset=ITEMS,
+        args=make_config(**config),
+        **kwargs,
+    )
 
 
 def _rewards(trainer, key="turn_1/reward_mean"):
@@ -101,20 +113,33 @@ def test_bad_checkpoint_interval(qwen_path, make_config, tmp_path, bad):
 def test_refusals(qwen_path, llama_path, make_config, tmp_path):
     _trainer(qwen_path, make_config, 1).train(checkpoint_dir=tmp_path / "run")
     checkpoint = str(tmp_path / "run" / "checkpoint-1")
-    other_class = MARLOOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=ITEMS,
-                                args=make_config(MARLOOConfig, num_generations=2, max_new_tokens=6))
+    other_class = MARLOOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(MARLOOConfig, num_generations=2, max_new_tokens=6),
+    )
     with pytest.raises(ValueError, match="trainer_class"):
         other_class.train(resume_from_checkpoint=checkpoint)
     for config, field in [(dict(num_generations=4), "num_generations"), (dict(joint_mode="cross"), "joint_mode")]:
         with pytest.raises(ValueError, match=field):
             _trainer(qwen_path, make_config, 2, config=config).train(resume_from_checkpoint=checkpoint)
 
-    three = MAGRPOTrainer(agent_model=qwen_path, num_agents=3, reward_func=lambda a, b, c: [0.0] * len(a),
-                          train_dataset=ITEMS, args=make_config(num_agents=3, num_generations=2, max_new_tokens=6))
+    three = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=3,
+        reward_func=lambda a, b, c: [0.0] * len(a),
+        train_dataset=ITEMS,
+        args=make_config(num_agents=3, num_generations=2, max_new_tokens=6),
+    )
     with pytest.raises(ValueError, match="num_agents"):
         three.train(resume_from_checkpoint=checkpoint)
-    mixed = MAGRPOTrainer(agents=[qwen_path, llama_path], reward_func=length_ratio_reward, train_dataset=ITEMS,
-                          args=make_config(num_generations=2, max_new_tokens=6))
+    mixed = MAGRPOTrainer(
+        agents=[qwen_path, llama_path],
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        args=make_config(num_generations=2, max_new_tokens=6),
+    )
     with pytest.raises(ValueError, match="models"):
         mixed.train(resume_from_checkpoint=checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(qwen_path)
@@ -160,8 +185,13 @@ class CountingReward:
 def test_stateful_callbacks_and_reward_functions(qwen_path, make_config, tmp_path):
     def build(epochs):
         callback, reward = CountingCallback(), CountingReward()
-        trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=ITEMS, callbacks=[callback],
-                                args=make_config(num_train_epochs=epochs, num_generations=2, max_new_tokens=6))
+        trainer = MAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=reward,
+            train_dataset=ITEMS,
+            callbacks=[callback],
+            args=make_config(num_train_epochs=epochs, num_generations=2, max_new_tokens=6),
+        )
         return trainer, callback, reward
 
     trainer, callback, reward = build(1)
@@ -177,8 +207,9 @@ def test_trl_save_strategy_with_lora_agents(qwen_path, make_config, tmp_path):
     settings = dict(save_strategy="steps", save_steps=3, save_total_limit=2, output_dir=str(tmp_path / "out"))
     straight = _trainer(qwen_path, make_config, 2, peft_config=lora, config=dict(eval_interval=0))
     straight.train()
-    interrupted = _trainer(qwen_path, make_config, 2, peft_config=lora, config=dict(max_steps=5, eval_interval=0,
-                                                                                     **settings))
+    interrupted = _trainer(
+        qwen_path, make_config, 2, peft_config=lora, config=dict(max_steps=5, eval_interval=0, **settings)
+    )
     interrupted.train()
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-3", "checkpoint-5"]  # rotation keeps two
     adapter = tmp_path / "out" / "checkpoint-5" / "agent_1"
@@ -192,8 +223,9 @@ def test_trl_save_strategy_with_lora_agents(qwen_path, make_config, tmp_path):
 def _run(script_args, tmp_path):
     script = Path(__file__).parent / "scripts" / "checkpoint_run.py"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.run([sys.executable, str(script), *script_args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *script_args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("kill", [["--kill-while-saving", "2"], ["--kill-before-epoch", "3"]])
@@ -226,8 +258,9 @@ def test_multi_turn_resume_is_exact(qwen_path, make_config, tmp_path):
         return [f"Improve: {text[:20]}" for text in agent_completions]
 
     def build(epochs):
-        return _trainer(qwen_path, make_config, epochs, external_transition=transition,
-                        config=dict(num_turns=2, discount=0.9))
+        return _trainer(
+            qwen_path, make_config, epochs, external_transition=transition, config=dict(num_turns=2, discount=0.9)
+        )
 
     straight = build(2)
     straight.train()

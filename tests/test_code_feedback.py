@@ -18,37 +18,59 @@ EXAMPLE = ROOT / "examples" / "code-feedback.py"
 
 # A correct (helper, main) pair for every built-in problem: the main function calls the helper.
 SOLUTIONS = {
-    "count_vowels": ("def aux(ch):\n    return ch.lower() in 'aeiou'",
-                     "def count_vowels(s):\n    return sum(1 for ch in s if aux(ch))"),
-    "reverse_words": ("def aux(s):\n    return s.split()",
-                      "def reverse_words(s):\n    return ' '.join(reversed(aux(s)))"),
-    "is_palindrome": ("def aux(s):\n    return ''.join(c.lower() for c in s if c.isalnum())",
-                      "def is_palindrome(s):\n    t = aux(s)\n    return t == t[::-1]"),
-    "sum_of_squares": ("def aux(x):\n    return x * x",
-                       "def sum_of_squares(nums):\n    return sum(aux(x) for x in nums)"),
-    "count_primes": ("def aux(k):\n    return k >= 2 and all(k % d for d in range(2, int(k ** 0.5) + 1))",
-                     "def count_primes(n):\n    return sum(1 for k in range(n) if aux(k))"),
-    "gcd_list": ("def aux(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
-                 "def gcd_list(nums):\n    g = nums[0]\n    for x in nums[1:]:\n        g = aux(g, x)\n    return g"),
-    "flatten": ("def aux(x):\n    return isinstance(x, list)",
-                "def flatten(items):\n    out = []\n    for x in items:\n"
-                "        out.extend(flatten(x) if aux(x) else [x])\n    return out"),
-    "most_common_char": ("def aux(s):\n    counts = {}\n    for c in s:\n        counts[c] = counts.get(c, 0) + 1\n"
-                         "    return counts",
-                         "def most_common_char(s):\n    counts = aux(s)\n    return max(s, key=lambda c: counts[c])"),
-    "caesar_shift": ("def aux(ch, k):\n    if not ch.isalpha():\n        return ch\n"
-                     "    base = ord('a') if ch.islower() else ord('A')\n"
-                     "    return chr(base + (ord(ch) - base + k) % 26)",
-                     "def caesar_shift(s, k):\n    return ''.join(aux(ch, k) for ch in s)"),
-    "digital_root": ("def aux(n):\n    return sum(int(d) for d in str(n))",
-                     "def digital_root(n):\n    while n >= 10:\n        n = aux(n)\n    return n"),
-    "run_length_encode": ("def aux(s, i):\n    j = i\n    while j < len(s) and s[j] == s[i]:\n        j += 1\n"
-                          "    return j - i",
-                          "def run_length_encode(s):\n    out, i = '', 0\n    while i < len(s):\n"
-                          "        n = aux(s, i)\n        out += s[i] + str(n)\n        i += n\n    return out"),
-    "fizzbuzz": ("def aux(i):\n    return 'FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else "
-                 "'Buzz' if i % 5 == 0 else str(i)",
-                 "def fizzbuzz(n):\n    return [aux(i) for i in range(1, n + 1)]"),
+    "count_vowels": (
+        "def aux(ch):\n    return ch.lower() in 'aeiou'",
+        "def count_vowels(s):\n    return sum(1 for ch in s if aux(ch))",
+    ),
+    "reverse_words": (
+        "def aux(s):\n    return s.split()",
+        "def reverse_words(s):\n    return ' '.join(reversed(aux(s)))",
+    ),
+    "is_palindrome": (
+        "def aux(s):\n    return ''.join(c.lower() for c in s if c.isalnum())",
+        "def is_palindrome(s):\n    t = aux(s)\n    return t == t[::-1]",
+    ),
+    "sum_of_squares": (
+        "def aux(x):\n    return x * x",
+        "def sum_of_squares(nums):\n    return sum(aux(x) for x in nums)",
+    ),
+    "count_primes": (
+        "def aux(k):\n    return k >= 2 and all(k % d for d in range(2, int(k ** 0.5) + 1))",
+        "def count_primes(n):\n    return sum(1 for k in range(n) if aux(k))",
+    ),
+    "gcd_list": (
+        "def aux(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
+        "def gcd_list(nums):\n    g = nums[0]\n    for x in nums[1:]:\n        g = aux(g, x)\n    return g",
+    ),
+    "flatten": (
+        "def aux(x):\n    return isinstance(x, list)",
+        "def flatten(items):\n    out = []\n    for x in items:\n"
+        "        out.extend(flatten(x) if aux(x) else [x])\n    return out",
+    ),
+    "most_common_char": (
+        "def aux(s):\n    counts = {}\n    for c in s:\n        counts[c] = counts.get(c, 0) + 1\n    return counts",
+        "def most_common_char(s):\n    counts = aux(s)\n    return max(s, key=lambda c: counts[c])",
+    ),
+    "caesar_shift": (
+        "def aux(ch, k):\n    if not ch.isalpha():\n        return ch\n"
+        "    base = ord('a') if ch.islower() else ord('A')\n"
+        "    return chr(base + (ord(ch) - base + k) % 26)",
+        "def caesar_shift(s, k):\n    return ''.join(aux(ch, k) for ch in s)",
+    ),
+    "digital_root": (
+        "def aux(n):\n    return sum(int(d) for d in str(n))",
+        "def digital_root(n):\n    while n >= 10:\n        n = aux(n)\n    return n",
+    ),
+    "run_length_encode": (
+        "def aux(s, i):\n    j = i\n    while j < len(s) and s[j] == s[i]:\n        j += 1\n    return j - i",
+        "def run_length_encode(s):\n    out, i = '', 0\n    while i < len(s):\n"
+        "        n = aux(s, i)\n        out += s[i] + str(n)\n        i += n\n    return out",
+    ),
+    "fizzbuzz": (
+        "def aux(i):\n    return 'FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else "
+        "'Buzz' if i % 5 == 0 else str(i)",
+        "def fizzbuzz(n):\n    return [aux(i) for i in range(1, n + 1)]",
+    ),
 }
 
 
@@ -65,7 +87,9 @@ def _item(entry_point):
 
 def test_sandbox_passing_partial_and_failure_messages():
     code = "def double(x):\n    return 2 * x\n"
-    assert run_python(code, ["assert double(2) == 4", "assert double(0) == 0"]) == SandboxResult(2, 2, [], False, [True, True])
+    assert run_python(code, ["assert double(2) == 4", "assert double(0) == 0"]) == SandboxResult(
+        2, 2, [], False, [True, True]
+    )
     result = run_python(code, ["assert double(2) == 4", "assert double(3) == 7", "assert double(None) == 1"])
     assert (result.passed, result.total, result.timed_out) == (1, 3, False)
     assert result.errors[0] == "assert double(3) == 7  # got 6"
@@ -99,8 +123,10 @@ def test_sandbox_memory_limit_fails_fast():
 
 def test_sandbox_hides_the_parent_environment(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-    code = ("import os\nseen = os.environ.get('SECRET_TOKEN')\nkeys = sorted(os.environ)\n"
-            "def home_is_cwd():\n    return os.environ['HOME'] == os.getcwd()\n")
+    code = (
+        "import os\nseen = os.environ.get('SECRET_TOKEN')\nkeys = sorted(os.environ)\n"
+        "def home_is_cwd():\n    return os.environ['HOME'] == os.getcwd()\n"
+    )
     result = run_python(code, ["assert seen is None", "assert 'PYTHONPATH' not in keys", "assert home_is_cwd()"])
     assert result.passed == 3, result.errors
 
@@ -157,8 +183,9 @@ def test_reward_parts():
     no_call = "def count_vowels(s):\n    return sum(ch in 'aeiouAEIOU' for ch in s)"
     own_aux = "def aux(ch):\n    return False\ndef count_vowels(s):\n    return sum(1 for ch in s if aux(ch))"
     wrong = "def count_vowels(s):\n    return 2"
-    rewards = task.reward([helper, "garbage", helper, helper, helper], [main, "garbage", no_call, own_aux, wrong],
-                          batch_items=[item])
+    rewards = task.reward(
+        [helper, "garbage", helper, helper, helper], [main, "garbage", no_call, own_aux, wrong], batch_items=[item]
+    )
     assert rewards[0] >= 1.0
     assert rewards[1] == 0.0
     assert rewards[2] == pytest.approx(1.1)  # correct, defines the entry point, does not call aux
@@ -170,9 +197,14 @@ def test_transition_reports_failures_and_the_other_agents_code():
     item = _item("count_vowels")
     helper = SOLUTIONS["count_vowels"][0]
     wrong = "def count_vowels(s):\n    return 2"
-    prompts = task.transition(prompt=item["prompt"], agent_completions=[helper, f"```python\n{wrong}\n```"],
-                              num_agents=2, prompt_history_per_agent=[[item["prompt"]], [item["prompt"]]],
-                              response_history_per_agent=[[helper], [wrong]], batch_item=item)
+    prompts = task.transition(
+        prompt=item["prompt"],
+        agent_completions=[helper, f"```python\n{wrong}\n```"],
+        num_agents=2,
+        prompt_history_per_agent=[[item["prompt"]], [item["prompt"]]],
+        response_history_per_agent=[[helper], [wrong]],
+        batch_item=item,
+    )
     assert isinstance(prompts, list) and len(prompts) == 2 and all(isinstance(p, str) for p in prompts)
     helper_prompt, main_prompt = prompts
     for prompt in prompts:
@@ -181,8 +213,14 @@ def test_transition_reports_failures_and_the_other_agents_code():
     assert wrong in helper_prompt and "Revise `aux`" in helper_prompt  # the helper sees the main agent's code
     assert helper in main_prompt and "Revise `count_vowels`" in main_prompt
     with pytest.raises(ValueError, match="2 agents"):
-        task.transition(prompt="", agent_completions=["", "", ""], num_agents=3, prompt_history_per_agent=[],
-                        response_history_per_agent=[[], [], []], batch_item=item)
+        task.transition(
+            prompt="",
+            agent_completions=["", "", ""],
+            num_agents=3,
+            prompt_history_per_agent=[],
+            response_history_per_agent=[[], [], []],
+            batch_item=item,
+        )
 
 
 def test_formatters_with_and_without_feedback():
@@ -201,8 +239,9 @@ def test_formatters_with_and_without_feedback():
 def test_eval_metrics_per_turn():
     item = _item("sum_of_squares")
     helper, main = SOLUTIONS["sum_of_squares"]
-    rows = task.eval_logger(agent_completions_turns=[[["junk", helper]], [["junk", main]]], batch_items=[item],
-                            prompts=[item["prompt"]])
+    rows = task.eval_logger(
+        agent_completions_turns=[[["junk", helper]], [["junk", main]]], batch_items=[item], prompts=[item["prompt"]]
+    )
     assert rows == [{"turn_1/pass_rate": 0.0, "turn_1/solved": 0.0, "turn_2/pass_rate": 1.0, "turn_2/solved": 1.0}]
     assert task.eval_aggregator(rows + rows, num_turns=2)["turn_2/solved"] == 1.0
 
@@ -219,8 +258,11 @@ def test_magrpo_trains_on_the_task_with_feedback(qwen_path, make_config):
         return prompts
 
     trainer = MAGRPOTrainer(
-        agent_model=qwen_path, formatters=task.formatters(), reward_func=task.reward,
-        external_transition=recording_transition, train_dataset=task.build_dataset("train").select(range(2)),
+        agent_model=qwen_path,
+        formatters=task.formatters(),
+        reward_func=task.reward,
+        external_transition=recording_transition,
+        train_dataset=task.build_dataset("train").select(range(2)),
         args=make_config(num_turns=2, num_generations=2, max_steps=1, per_device_train_batch_size=4),
     )
     trainer.train()
@@ -235,9 +277,25 @@ def test_magrpo_trains_on_the_task_with_feedback(qwen_path, make_config):
 def test_example_script_runs(tmp_path, qwen_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--max-steps", "1", "--max-new-tokens", "8", "--num-generations", "2",
-         "--output-dir", str(tmp_path / "out"), "--model", qwen_path],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--max-steps",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--num-generations",
+            "2",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--model",
+            qwen_path,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for title in ("Evaluation before training:", "Evaluation after training:"):
@@ -248,8 +306,11 @@ def test_example_script_runs(tmp_path, qwen_path):
 
 def test_sandbox_reports_each_test_and_runs_setup_first():
     code = "def double(x):\n    return 2 * x\n"
-    result = run_python(code, ["assert candidate(2) == 4", "assert candidate(3) == 7", "assert candidate(0) == 0"],
-                        setup="candidate = double")
+    result = run_python(
+        code,
+        ["assert candidate(2) == 4", "assert candidate(3) == 7", "assert candidate(0) == 0"],
+        setup="candidate = double",
+    )
     assert result.test_passed == [True, False, True] and result.passed == 2
     broken = run_python(code, ["assert candidate(2) == 4"], setup="candidate = missing_name")
     assert broken.test_passed == [False] and broken.errors[0].startswith("setup failed")

@@ -247,8 +247,18 @@ def test_variant_still_validates(out):
 
 def test_hf_argument_parser_round_trip(out):
     (cfg,) = HfArgumentParser(MAGRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", out, "--num_agents", "3", "--joint_mode", "cross", "--agent_learning_rate", "1e-4",
-         "--top_k", "5"]
+        [
+            "--output_dir",
+            out,
+            "--num_agents",
+            "3",
+            "--joint_mode",
+            "cross",
+            "--agent_learning_rate",
+            "1e-4",
+            "--top_k",
+            "5",
+        ]
     )
     assert isinstance(cfg, MAGRPOConfig)
     assert cfg.num_agents == 3
@@ -261,8 +271,18 @@ def test_hf_argument_parser_round_trip(out):
 
 def test_trl_parser_spec_fields(out):
     (cfg,) = TrlParser(MAGRPOConfig).parse_args_and_config(
-        ["--output_dir", out, "--max_new_tokens", "12", "--advantage_normalization", "false",
-         "--advantage_mode", "rloo", "--eval_interval", "0"]
+        [
+            "--output_dir",
+            out,
+            "--max_new_tokens",
+            "12",
+            "--advantage_normalization",
+            "false",
+            "--advantage_mode",
+            "rloo",
+            "--eval_interval",
+            "0",
+        ]
     )
     assert cfg.max_new_tokens == 12 and cfg.max_completion_length == 12
     assert cfg.advantage_normalization is False and cfg.scale_rewards == "none"
@@ -293,12 +313,15 @@ def test_reward_processors():
     assert combined == 1.5
 
 
-@pytest.mark.parametrize("env, nvidia_smi, warns", [
-    ({"CUDA_VISIBLE_DEVICES": "0"}, None, True),
-    ({}, "/usr/bin/nvidia-smi", True),
-    ({"CUDA_VISIBLE_DEVICES": ""}, None, False),
-    ({}, None, False),
-])
+@pytest.mark.parametrize(
+    "env, nvidia_smi, warns",
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0"}, None, True),
+        ({}, "/usr/bin/nvidia-smi", True),
+        ({"CUDA_VISIBLE_DEVICES": ""}, None, False),
+        ({}, None, False),
+    ],
+)
 def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tmp_path, env, nvidia_smi, warns):
     """A CPU build of torch on a GPU machine would silently train on the CPU: the config says so."""
     import shutil
@@ -318,11 +341,23 @@ def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tm
         assert "CPU-only build" in messages[0] and "make install TORCH=" in messages[0]
 
 
-@pytest.mark.parametrize("num_items, evaluates, eval_interval, items_per_step", [
-    (16, False, 16, 4), (8, False, 16, 4), (6, False, 16, 3), (7, False, 16, 1), (10, False, 16, 2),
-    (2, False, 16, 2), (3, False, 16, 3), (1, False, 16, 1),
-    (16, True, 16, 4), (16, True, 6, 2), (16, True, 1, 1), (16, False, 1, 4),  # eval_interval counts only with evals
-])
+@pytest.mark.parametrize(
+    "num_items, evaluates, eval_interval, items_per_step",
+    [
+        (16, False, 16, 4),
+        (8, False, 16, 4),
+        (6, False, 16, 3),
+        (7, False, 16, 1),
+        (10, False, 16, 2),
+        (2, False, 16, 2),
+        (3, False, 16, 3),
+        (1, False, 16, 1),
+        (16, True, 16, 4),
+        (16, True, 6, 2),
+        (16, True, 1, 1),
+        (16, False, 1, 4),  # eval_interval counts only with evals
+    ],
+)
 def test_default_batch_fits_the_training_set(out, num_items, evaluates, eval_interval, items_per_step):
     cfg = config(out, num_generations=3, eval_interval=eval_interval)
     cfg.fit_batch_to_dataset(num_items, evaluates=evaluates)

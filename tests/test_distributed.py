@@ -15,12 +15,21 @@ def run_torchrun(script: str, tmp_path, processes: int, *args: str, zero_stage: 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     if zero_stage is not None:
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=zero_stage)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               str(Path(__file__).parent / "scripts" / script), str(tmp_path), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        str(Path(__file__).parent / "scripts" / script),
+        str(tmp_path),
+        *args,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_two_process_ddp_trains_both_agents_in_sync(tmp_path):
@@ -90,7 +99,8 @@ def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resum
     report = run_torchrun("checkpoint_ddp.py", tmp_path, 2)
     assert report["steps"] == [4, 4]  # one item per rank per step: 2 steps per epoch, 2 epochs (the second resumed)
     assert {"rng_state_0.pth", "rng_state_1.pth", "agent_0/optimizer.pt", "agent_1/model.safetensors"} <= set(
-        report["files"])
+        report["files"]
+    )
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left
 
 
@@ -135,7 +145,12 @@ def test_zero3_value_head_with_a_hidden_layer_saves_and_restores(tmp_path):
     restoring it gathers the parameters first (a plain load_state_dict met [0]-shaped tensors and failed)."""
     report = run_torchrun("value_head_zero3.py", tmp_path, 1, zero_stage="3")
     assert report["partitioned"] == [True, True] and report["nonzero"] == [True, True]
-    assert report["shapes"] == {"net.0.weight": [32, 32], "net.0.bias": [32], "net.2.weight": [1, 32], "net.2.bias": [1]}
+    assert report["shapes"] == {
+        "net.0.weight": [32, 32],
+        "net.0.bias": [32],
+        "net.2.weight": [1, 32],
+        "net.2.bias": [1],
+    }
     assert report["saved"] == [True, True] and report["restored"] == [True, True]
 
 
@@ -149,8 +164,15 @@ def test_deepspeed_madpo_single_process(tmp_path, stage):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
-@pytest.mark.parametrize("stage, algorithm", [("2", "magrpo"), ("3", "magrpo"), pytest.param("2", "maac", marks=pytest.mark.slow),
-                                              pytest.param("3", "iac", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage, algorithm",
+    [
+        ("2", "magrpo"),
+        ("3", "magrpo"),
+        pytest.param("2", "maac", marks=pytest.mark.slow),
+        pytest.param("3", "iac", marks=pytest.mark.slow),
+    ],
+)
 def test_deepspeed_resume_is_exact_for_every_agent_critic_and_head(tmp_path, stage, algorithm):
     """Resuming from checkpoint-1 under ZeRO-2/3 ends with the weights of the uninterrupted run: agent 0's engine
     state is read from checkpoint-N/agent_0 (Trainer looked in checkpoint-N and refused), critics, heads and critic

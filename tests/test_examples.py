@@ -48,7 +48,8 @@ def test_story_len_ratio_reward_matches_the_tutorial():
     second = ["abc", "", "ab", "abcde", "abcdefgh", "a" * 30, "y" * 25]
     assert reward(first, second) == pytest.approx(_tutorial_reward(first, second))
     assert reward(first, second, target_min=2, target_max=3) == pytest.approx(
-        _tutorial_reward(first, second, target_min=2, target_max=3))
+        _tutorial_reward(first, second, target_min=2, target_max=3)
+    )
     assert reward(["ab"], ["abcde"]) == [1.0]
 
 
@@ -56,9 +57,25 @@ def test_story_len_ratio_runs_and_saves_both_agents(tmp_path, qwen_path):
     out = tmp_path / "tmp"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
-        [sys.executable, str(STORY), "--epochs", "1", "--max-new-tokens", "8", "--num-generations", "2",
-         "--output-dir", str(out), "--model", qwen_path],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(STORY),
+            "--epochs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--num-generations",
+            "2",
+            "--output-dir",
+            str(out),
+            "--model",
+            qwen_path,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for i in range(2):

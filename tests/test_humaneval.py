@@ -82,8 +82,9 @@ def test_every_canonical_solution_scores_full_marks():
     assert seconds < 120, f"{seconds:.0f} s for 164 sandboxed programs"
 
 
-@pytest.mark.parametrize("body, every", [("    return None\n", 1), ("    raise NotImplementedError\n", 4),
-                                         ("    pass\n", 4)])
+@pytest.mark.parametrize(
+    "body, every", [("    return None\n", 1), ("    raise NotImplementedError\n", 4), ("    pass\n", 4)]
+)
 def test_wrong_bodies_score_low(body, every):
     """`return None` on all 164 problems, the others on every 4th (they fail the same way)."""
     problems = task.load_problems()[::every]
@@ -99,14 +100,17 @@ def test_swapped_solutions_score_low():
     picks = rng.sample(range(len(problems)), 24)
     scores = run_parallel(
         lambda i: _score(problems[i], problems[i]["prompt"] + problems[(i + 1) % len(problems)]["canonical_solution"]),
-        picks)
+        picks,
+    )
     assert max(scores) < 1.0 and sum(scores) / len(scores) < 0.4
 
 
 def test_helper_is_used_and_rewarded():
     problem = _problems()["HumanEval/0"]
-    helper = ("def aux(numbers, threshold):\n    return any(abs(a - b) < threshold\n"
-              "               for i, a in enumerate(numbers) for b in numbers[i + 1:])")
+    helper = (
+        "def aux(numbers, threshold):\n    return any(abs(a - b) < threshold\n"
+        "               for i, a in enumerate(numbers) for b in numbers[i + 1:])"
+    )
     main = "def has_close_elements(numbers, threshold):\n    return aux(numbers, threshold)"
     assert _score(problem, main, helper) == pytest.approx(1.2)
     assert _score(problem, main, "") == pytest.approx(0.2)  # aux undefined: every test fails
@@ -116,8 +120,10 @@ def test_helper_is_used_and_rewarded():
 def test_model_style_completion_without_imports():
     """The prompt's imports are context: a completion that uses `List` without importing it still runs."""
     problem = _problems()["HumanEval/0"]
-    completion = ("Here is the code:\n```python\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
-                  "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[:i])\n```\n")
+    completion = (
+        "Here is the code:\n```python\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[:i])\n```\n"
+    )
     assert _score(problem, completion, "no code") == pytest.approx(1.1)
 
 
@@ -126,17 +132,27 @@ def test_model_style_completion_without_imports():
 
 def test_transition_reports_the_failing_tests():
     problem = _problems()["HumanEval/0"]
-    prompts = task.transition(prompt=problem["prompt"], agent_completions=[TRIVIAL_HELPER,
-                              "def has_close_elements(numbers, threshold):\n    return False"],
-                              num_agents=2, prompt_history_per_agent=[[], []], response_history_per_agent=[["a"], ["b"]],
-                              batch_item=problem)
+    prompts = task.transition(
+        prompt=problem["prompt"],
+        agent_completions=[TRIVIAL_HELPER, "def has_close_elements(numbers, threshold):\n    return False"],
+        num_agents=2,
+        prompt_history_per_agent=[[], []],
+        response_history_per_agent=[["a"], ["b"]],
+        batch_item=problem,
+    )
     assert prompts[0].startswith("Attempt 1: the joint program passed 3 of 7 tests.")
     assert "# got False" in prompts[1] and "Revise `has_close_elements`" in prompts[1]
     main_prompt = task.formatters()[1](problem, external_prompts=prompts[1])
     assert "def has_close_elements(numbers: List[float]" in main_prompt and "Attempt 1" in main_prompt
     with pytest.raises(ValueError, match="2 agents"):
-        task.transition(prompt="", agent_completions=["", "", ""], num_agents=3, prompt_history_per_agent=[],
-                        response_history_per_agent=[[]], batch_item=problem)
+        task.transition(
+            prompt="",
+            agent_completions=["", "", ""],
+            num_agents=3,
+            prompt_history_per_agent=[],
+            response_history_per_agent=[[]],
+            batch_item=problem,
+        )
 
 
 def test_eval_metrics_pass_at_k_and_main_alone():
@@ -150,8 +166,14 @@ def test_eval_metrics_pass_at_k_and_main_alone():
     wrong = "def f():\n    pass"
     items = [p0] * 3 + [p2] * 3
     helpers = [[TRIVIAL_HELPER, TRIVIAL_HELPER]] * 3 + [[helper, helper]] * 3
-    mains = [[good0, good0], [wrong, good0], [wrong, wrong],  # HumanEval/0: 1 then 2 of 3 solved
-             [via_helper, via_helper], [wrong, good2], [wrong, wrong]]  # HumanEval/2: 1 then 2 (main alone: 0 then 1)
+    mains = [
+        [good0, good0],
+        [wrong, good0],
+        [wrong, wrong],  # HumanEval/0: 1 then 2 of 3 solved
+        [via_helper, via_helper],
+        [wrong, good2],
+        [wrong, wrong],
+    ]  # HumanEval/2: 1 then 2 (main alone: 0 then 1)
     rows = task.eval_logger(agent_completions_turns=[helpers, mains], batch_items=items, prompts=[])
     assert rows[0]["task_id"] == "HumanEval/0" and rows[3]["turn_1/solved"] == 1.0
     assert rows[3]["turn_1/main_only_solved"] == 0.0

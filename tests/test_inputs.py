@@ -20,8 +20,9 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 def _trainer(path, make_config, dataset=ITEMS, reward=length_ratio_reward, **kwargs):
     config = dict(num_generations=2, max_new_tokens=4, max_steps=1)
     config.update(kwargs.pop("config", {}))
-    return MAGRPOTrainer(agent_model=path, reward_func=reward, train_dataset=dataset, args=make_config(**config),
-                         **kwargs)
+    return MAGRPOTrainer(
+        agent_model=path, reward_func=reward, train_dataset=dataset, args=make_config(**config), **kwargs
+    )
 
 
 def _notes(error) -> str:
@@ -30,12 +31,16 @@ def _notes(error) -> str:
 
 # ----- prompts -----
 
-@pytest.mark.parametrize("bad, message", [
-    ("", "formatter of agent 1 on task item 0 gave an empty prompt"),
-    ([], "formatter of agent 1 on task item 0 gave an empty chat prompt"),
-    ([{}], "formatter of agent 1 on task item 0 gave a chat message without a string 'role'"),
-    ([{"role": "user"}], "chat message without a string 'role' and a 'content'"),
-])
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("", "formatter of agent 1 on task item 0 gave an empty prompt"),
+        ([], "formatter of agent 1 on task item 0 gave an empty chat prompt"),
+        ([{}], "formatter of agent 1 on task item 0 gave a chat message without a string 'role'"),
+        ([{"role": "user"}], "chat message without a string 'role' and a 'content'"),
+    ],
+)
 def test_a_bad_prompt_from_a_formatter_names_the_agent_and_item(qwen_path, make_config, bad, message):
     trainer = _trainer(qwen_path, make_config, formatters=[lambda item: item["prompt"], lambda item: bad])
     with pytest.raises(ValueError, match=message):
@@ -72,6 +77,7 @@ def test_a_formatter_that_raises_is_named(qwen_path, make_config):
 
 # ----- rewards -----
 
+
 def test_a_reward_processor_that_raises_is_named(qwen_path, make_config):
     def processor(value):
         raise ZeroDivisionError("bad scale")
@@ -97,6 +103,7 @@ def test_the_largest_float32_reward_is_accepted():
 
 
 # ----- datasets -----
+
 
 def test_empty_datasets_are_refused_at_construction(qwen_path, make_config):
     empty = Dataset.from_dict({"prompt": []})
@@ -126,8 +133,13 @@ def test_a_set_smaller_than_one_batch_trains_on_its_items(qwen_path, make_config
     config = make_config(config_cls=IACConfig, num_generations=1, max_new_tokens=4, num_train_epochs=1)
     batch = config.per_device_train_batch_size  # one response per item: the batch holds this many items
     assert batch >= 4
-    trainer = IACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=reward, train_dataset=Dataset.from_dict(
-        {"prompt": ["First item", "Second item"]}), args=config)
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=reward,
+        train_dataset=Dataset.from_dict({"prompt": ["First item", "Second item"]}),
+        args=config,
+    )
     trainer.train()
     assert trainer.state.global_step == 1
     assert seen == ["First item", "Second item"] * (batch // 2)
@@ -140,13 +152,19 @@ def test_a_set_smaller_than_one_batch_trains_with_magrpo(qwen_path, make_config)
         seen.append(batch_items[0]["prompt"])
         return length_ratio_reward(first, second, batch_items=batch_items)
 
-    trainer = _trainer(qwen_path, make_config, dataset=Dataset.from_dict({"prompt": ["Only item"]}), reward=reward,
-                       config=dict(per_device_train_batch_size=4, max_steps=-1, num_train_epochs=2))
+    trainer = _trainer(
+        qwen_path,
+        make_config,
+        dataset=Dataset.from_dict({"prompt": ["Only item"]}),
+        reward=reward,
+        config=dict(per_device_train_batch_size=4, max_steps=-1, num_train_epochs=2),
+    )
     trainer.train()
     assert trainer.state.global_step == 2 and seen == ["Only item"] * 4
 
 
 # ----- configuration -----
+
 
 @pytest.mark.parametrize("turns", [10**5, 10**6, 10**9])
 def test_a_huge_num_turns_is_refused_at_once(turns):
@@ -157,8 +175,9 @@ def test_a_huge_num_turns_is_refused_at_once(turns):
 
 
 def test_the_joint_action_bound_still_admits_what_fits():
-    config = MAGRPOConfig(num_turns=5, num_generations=4, max_joint_actions_per_item=4 + 16 + 64 + 256 + 1024,
-                          report_to="none")
+    config = MAGRPOConfig(
+        num_turns=5, num_generations=4, max_joint_actions_per_item=4 + 16 + 64 + 256 + 1024, report_to="none"
+    )
     assert config.num_turns == 5
     with pytest.raises(ValueError, match="more than 1363 joint actions"):
         MAGRPOConfig(num_turns=5, num_generations=4, max_joint_actions_per_item=1363, report_to="none")
@@ -178,12 +197,14 @@ def test_non_finite_turn_gradient_weights_are_refused(bad):
 
 # ----- long prompts -----
 
+
 def test_long_prompts_are_truncated_from_the_left_with_a_warning(qwen_path, make_config, monkeypatch):
     warnings = []
     monkeypatch.setattr(grpo_adapter.logger, "warning", lambda message, *args: warnings.append(message % args))
     long_prompt = "word " * 5000 + "Now answer:"
-    trainer = _trainer(qwen_path, make_config, dataset=Dataset.from_dict({"prompt": [long_prompt]}),
-                       config=dict(max_prompt_length=16))
+    trainer = _trainer(
+        qwen_path, make_config, dataset=Dataset.from_dict({"prompt": [long_prompt]}), config=dict(max_prompt_length=16)
+    )
     for model in trainer.agents:
         model.train()
     rollout = trainer.orchestrator.rollout([{"prompt": long_prompt}] * 2)

@@ -17,16 +17,28 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 
 
 def _config(make_config, **overrides):
-    settings = dict(config_cls=MADPOConfig, num_generations=None, preference_num_candidates=4,
-                    preference_pairs_per_sample=3, max_new_tokens=6, learning_rate=0.05, lr_scheduler_type="constant",
-                    dpo_beta=0.5)
+    settings = dict(
+        config_cls=MADPOConfig,
+        num_generations=None,
+        preference_num_candidates=4,
+        preference_pairs_per_sample=3,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        dpo_beta=0.5,
+    )
     settings.update(overrides)
     return make_config(**settings)
 
 
 def _trainer(path, make_config, reward_func=length_ratio_reward, **kwargs):
-    return MADPOTrainer(agent_model=path, reward_func=reward_func, train_dataset=ITEMS,
-                        args=_config(make_config, **kwargs.pop("config", {})), **kwargs)
+    return MADPOTrainer(
+        agent_model=path,
+        reward_func=reward_func,
+        train_dataset=ITEMS,
+        args=_config(make_config, **kwargs.pop("config", {})),
+        **kwargs,
+    )
 
 
 def _logged(trainer, key):
@@ -42,7 +54,10 @@ def test_madpo_trains_every_agent_on_joint_pairs(qwen_path, make_config):
         losses = _logged(trainer, f"agent_{i}/dpo/loss")
         assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     assert _logged(trainer, "preference/pairs") == [3.0] * 4  # 4 distinct rewards per item, capped at 3
-    chosen, rejected = _logged(trainer, "preference/chosen_reward_mean"), _logged(trainer, "preference/rejected_reward_mean")
+    chosen, rejected = (
+        _logged(trainer, "preference/chosen_reward_mean"),
+        _logged(trainer, "preference/rejected_reward_mean"),
+    )
     assert all(c > r for c, r in zip(chosen, rejected))
     assert trainer.env_step == 4 * 4 and len(_logged(trainer, "turn_1/reward_mean")) == 4
     assert type(trainer._team[1]).__name__ == "MADPOFollower"
@@ -58,8 +73,9 @@ def test_each_agent_gets_the_other_agents_pre_update_log_ratios(qwen_path, make_
     deltas = []
     with torch.no_grad():
         for agent, batch in zip(trainer.agents, batches):
-            logps = sequence_logps(agent, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                   batch["completion_mask"])
+            logps = sequence_logps(
+                agent, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+            )
             deltas.append(logps[:num_pairs] - logps[num_pairs:])
     assert torch.allclose(batches[0]["others_logratio"], deltas[1], atol=1e-5)
     assert torch.allclose(batches[1]["others_logratio"], deltas[0], atol=1e-5)
@@ -113,14 +129,17 @@ def test_resume_gives_the_same_weights(qwen_path, make_config, tmp_path):
         changed_beta.train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(dpo_beta=0.0), "dpo_beta must be a number > 0"),
-    (dict(num_generations=8), "num_generations=8 differs from preference_num_candidates=4"),
-    (dict(beta=0.04), "beta=0.04 is TRL's GRPO KL coefficient"),
-    (dict(num_turns=2), "num_turns=1 only"),
-    (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
-    (dict(pair_selection="best"), "pair_selection must be one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(dpo_beta=0.0), "dpo_beta must be a number > 0"),
+        (dict(num_generations=8), "num_generations=8 differs from preference_num_candidates=4"),
+        (dict(beta=0.04), "beta=0.04 is TRL's GRPO KL coefficient"),
+        (dict(num_turns=2), "num_turns=1 only"),
+        (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
+        (dict(pair_selection="best"), "pair_selection must be one of"),
+    ],
+)
 def test_config_errors(make_config, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(make_config, **overrides)

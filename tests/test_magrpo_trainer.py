@@ -17,8 +17,13 @@ def train_logs(trainer):
 
 
 def test_every_agent_changes_and_metrics_are_logged(qwen_path, prompts_dataset, make_config):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
-                            train_dataset=prompts_dataset, args=make_config())
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(),
+    )
     assert len(trainer.agents) == 2 and len(trainer.tokenizers) == 2
     assert trainer.agents[0] is not trainer.agents[1]
     before = [snapshot(model) for model in trainer.agents]
@@ -31,15 +36,27 @@ def test_every_agent_changes_and_metrics_are_logged(qwen_path, prompts_dataset, 
     logs = train_logs(trainer)
     assert [row["env_step"] for row in logs] == list(range(4, 33, 4))
     last = logs[-1]
-    for key in ("turn_1/reward_mean", "turn_1/expected_return", "agent_0/loss", "agent_1/loss",
-                "agent_0/grad_norm", "agent_1/grad_norm", "agent_1/reward", "agent_1/completions/mean_length"):
+    for key in (
+        "turn_1/reward_mean",
+        "turn_1/expected_return",
+        "agent_0/loss",
+        "agent_1/loss",
+        "agent_0/grad_norm",
+        "agent_1/grad_norm",
+        "agent_1/reward",
+        "agent_1/completions/mean_length",
+    ):
         assert key in last and math.isfinite(last[key]), key
     assert last["loss"] == pytest.approx(last["agent_0/loss"] + last["agent_1/loss"], abs=1e-6)
 
 
 def test_logging_steps_is_a_minimum_env_step_gap(qwen_path, prompts_dataset, make_config):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(logging_steps=10))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(logging_steps=10),
+    )
     trainer.train()
     steps = [row["env_step"] for row in train_logs(trainer)]
     assert steps == [4, 16, 28]  # the first step logs; env_step grows by 4 per item; a log needs a gap >= 10
@@ -52,8 +69,7 @@ def test_reward_is_called_once_per_item_with_the_item(qwen_path, prompts_dataset
         calls.append((len(first), len(second), batch_items))
         return length_ratio_reward(first, second, batch_items=batch_items)
 
-    MAGRPOTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=prompts_dataset,
-                  args=make_config()).train()
+    MAGRPOTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=prompts_dataset, args=make_config()).train()
     assert len(calls) == 8
     assert [c[2][0]["target"] for c in calls] == list(range(8))  # task order is kept by default
     assert all(c[:2] == (4, 4) and len(c[2]) == 1 for c in calls)
@@ -67,8 +83,9 @@ def test_cross_mode_scores_every_combination(qwen_path, prompts_dataset, make_co
         return [float(len(a) + 2 * len(b) - len(c)) for a, b, c in zip(first, second, third)]
 
     config = make_config(num_agents=3, joint_mode="cross", num_generations=2, max_steps=2)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=3, reward_func=reward,
-                            train_dataset=prompts_dataset, args=config)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, num_agents=3, reward_func=reward, train_dataset=prompts_dataset, args=config
+    )
     trainer.train()
     assert len(seen) == 2 and trainer.env_step == 2 * 2**3
     first, second, third = seen[0]
@@ -79,8 +96,12 @@ def test_cross_mode_scores_every_combination(qwen_path, prompts_dataset, make_co
 
 def test_orchestrator_advantages_follow_the_mode(qwen_path, make_config):
     config = make_config(advantage_normalization=False, max_steps=1)
-    trainer = MARLOOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward,
-                            train_dataset=_items(4), args=MARLOOConfig(**_as_dict(config)))
+    trainer = MARLOOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=_items(4),
+        args=MARLOOConfig(**_as_dict(config)),
+    )
     assert trainer.args.advantage_mode == "rloo" and trainer.args.scale_rewards == "none"
     for model in trainer.agents:
         model.train()
@@ -103,8 +124,13 @@ def test_orchestrator_advantages_follow_the_mode(qwen_path, make_config):
 
 def test_lora_trains_only_adapters_and_logs_reference_kl(qwen_path, prompts_dataset, make_config):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(beta=0.1, max_steps=4), peft_config=lora)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(beta=0.1, max_steps=4),
+        peft_config=lora,
+    )
     before = [{n: p.detach().clone() for n, p in model.named_parameters()} for model in trainer.agents]
     trainer.train()
     for i, model in enumerate(trainer.agents):
@@ -118,16 +144,24 @@ def test_lora_trains_only_adapters_and_logs_reference_kl(qwen_path, prompts_data
 
 
 def test_full_finetune_with_reference_model(qwen_path, prompts_dataset, make_config):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(beta=0.05, max_steps=3))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(beta=0.05, max_steps=3),
+    )
     assert all(agent.ref_model is not None for agent in trainer._team)
     trainer.train()
     assert "turn_1/reference_kl_mean" in train_logs(trainer)[-1]
 
 
 def test_heterogeneous_agents_with_their_own_tokenizers(qwen_path, llama_path, prompts_dataset, make_config):
-    trainer = MAGRPOTrainer(agents=[qwen_path, llama_path], reward_func=length_ratio_reward,
-                            train_dataset=prompts_dataset, args=make_config(max_steps=3))
+    trainer = MAGRPOTrainer(
+        agents=[qwen_path, llama_path],
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(max_steps=3),
+    )
     assert type(trainer.agents[0]).__name__ == "Qwen2ForCausalLM"
     assert type(trainer.agents[1]).__name__ == "LlamaForCausalLM"
     assert len(trainer.tokenizers[0]) != len(trainer.tokenizers[1])
@@ -139,16 +173,26 @@ def test_heterogeneous_agents_with_their_own_tokenizers(qwen_path, llama_path, p
 def test_model_objects_with_tokenizer_list(qwen_path, llama_path, prompts_dataset, make_config):
     models = [AutoModelForCausalLM.from_pretrained(p) for p in (qwen_path, llama_path)]
     tokenizers = [AutoTokenizer.from_pretrained(p) for p in (qwen_path, llama_path)]
-    trainer = MAGRPOTrainer(agents=models, tokenizer=tokenizers, reward_func=length_ratio_reward,
-                            train_dataset=prompts_dataset, args=make_config(max_steps=2))
+    trainer = MAGRPOTrainer(
+        agents=models,
+        tokenizer=tokenizers,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(max_steps=2),
+    )
     assert trainer.agents[0] is models[0] and trainer.agents[1] is models[1]
     trainer.train()
 
 
 def test_save_model_and_continue_training(qwen_path, prompts_dataset, make_config, tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(max_steps=2), peft_config=[lora, None])
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(max_steps=2),
+        peft_config=[lora, None],
+    )
     trainer.train()
     out = tmp_path / "saved"
     trainer.save_model(str(out))
@@ -159,9 +203,13 @@ def test_save_model_and_continue_training(qwen_path, prompts_dataset, make_confi
         assert not (out / f"agent_{i}" / "optimizer.pt").exists()  # an export, not a checkpoint
     trained = [snapshot(model) for model in trainer.agents]
 
-    continued = MAGRPOTrainer(agents=[str(out / "agent_0"), str(out / "agent_1")], num_agents=2,
-                              reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                              args=make_config(max_steps=2))
+    continued = MAGRPOTrainer(
+        agents=[str(out / "agent_0"), str(out / "agent_1")],
+        num_agents=2,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(max_steps=2),
+    )
     for i, model in enumerate(continued.agents):  # the trained weights come back
         reloaded = dict(model.named_parameters())
         for name, value in trained[i].items():
@@ -173,8 +221,13 @@ def test_save_model_and_continue_training(qwen_path, prompts_dataset, make_confi
 
 def test_eval_schedule_counts_training_items(qwen_path, prompts_dataset, make_config):
     eval_dataset = _items(3)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            eval_dataset=eval_dataset, args=make_config(eval_interval=3, num_train_epochs=2))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        eval_dataset=eval_dataset,
+        args=make_config(eval_interval=3, num_train_epochs=2),
+    )
     trainer.train()
     evals = [row for row in trainer.state.log_history if "eval/turn_1/reward_mean" in row]
     # before items 0, 3 and 6 of each of the 2 epochs
@@ -184,27 +237,47 @@ def test_eval_schedule_counts_training_items(qwen_path, prompts_dataset, make_co
 
 
 def test_evaluate_without_eval_dataset_is_empty(qwen_path, prompts_dataset, make_config):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config())
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset, args=make_config()
+    )
     assert trainer.evaluate() == {}
 
 
 def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
     """With N=1, MAGRPO is GRPO: same seed and data give the same rewards, losses and weights as TRL."""
     dataset = _items(6)
-    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=0.05,
-                  logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1, seed=3,
-                  shuffle_dataset=False, save_strategy="no", bf16=False)
+    common = dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        seed=3,
+        shuffle_dataset=False,
+        save_strategy="no",
+        bf16=False,
+    )
 
     def trl_reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    reference = GRPOTrainer(model=qwen_path, reward_funcs=trl_reward, train_dataset=dataset,
-                            args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common))
+    reference = GRPOTrainer(
+        model=qwen_path,
+        reward_funcs=trl_reward,
+        train_dataset=dataset,
+        args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common),
+    )
     reference.train()
-    ours = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=lambda c: [float(len(x)) for x in c],
-                         train_dataset=dataset,
-                         args=_magrpo_config(tmp_path / "ours", num_agents=1, eval_interval=0, **common))
+    ours = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=lambda c: [float(len(x)) for x in c],
+        train_dataset=dataset,
+        args=_magrpo_config(tmp_path / "ours", num_agents=1, eval_interval=0, **common),
+    )
     ours.train()
 
     trl_logs = [row for row in reference.state.log_history if "reward" in row]
@@ -231,11 +304,21 @@ def _magrpo_config(output_dir, **kwargs):
 
 
 def _as_dict(config):
-    keys = ("output_dir", "num_generations", "max_new_tokens", "learning_rate", "logging_steps",
-            "gradient_checkpointing", "report_to", "num_train_epochs", "eval_interval", "seed",
-            "advantage_normalization", "max_steps")
+    keys = (
+        "output_dir",
+        "num_generations",
+        "max_new_tokens",
+        "learning_rate",
+        "logging_steps",
+        "gradient_checkpointing",
+        "report_to",
+        "num_train_epochs",
+        "eval_interval",
+        "seed",
+        "advantage_normalization",
+        "max_steps",
+    )
     return {key: getattr(config, key) for key in keys}
-
 
 
 def test_iterable_datasets_train_and_evaluate(qwen_path, prompts_dataset, make_config):
@@ -245,10 +328,13 @@ def test_iterable_datasets_train_and_evaluate(qwen_path, prompts_dataset, make_c
         seen.append(batch_items[0]["target"])
         return length_ratio_reward(first, second, batch_items=batch_items)
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=reward,
-                            train_dataset=prompts_dataset.to_iterable_dataset(),
-                            eval_dataset=prompts_dataset.select(range(3)).to_iterable_dataset(),
-                            args=make_config(max_steps=5))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=reward,
+        train_dataset=prompts_dataset.to_iterable_dataset(),
+        eval_dataset=prompts_dataset.select(range(3)).to_iterable_dataset(),
+        args=make_config(max_steps=5),
+    )
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
     assert seen == [0, 1, 2, 3, 4] and trainer.env_step == 20
@@ -260,8 +346,13 @@ def test_iterable_datasets_train_and_evaluate(qwen_path, prompts_dataset, make_c
 
 def test_lora_agents_share_the_frozen_base_weights(qwen_path, prompts_dataset, make_config):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(max_steps=2), peft_config=lora)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(max_steps=2),
+        peft_config=lora,
+    )
     first, second = (dict(model.named_parameters()) for model in trainer.agents)
     frozen = [name for name, p in first.items() if not p.requires_grad]
     assert frozen and all(first[n].data_ptr() == second[n].data_ptr() for n in frozen)  # one copy in memory
@@ -284,13 +375,21 @@ def test_follower_step_skips_a_missing_gradient_norm():
     calls = []
     norms = iter([None, 3.0])
     follower = SimpleNamespace(
-        _clip_grad_norm=lambda model: next(norms), model_wrapped=SimpleNamespace(zero_grad=lambda: calls.append("zero")),
+        _clip_grad_norm=lambda model: next(norms),
+        model_wrapped=SimpleNamespace(zero_grad=lambda: calls.append("zero")),
         optimizer=SimpleNamespace(step=lambda: calls.append("step")),
-        accelerator=SimpleNamespace(optimizer_step_was_skipped=False), args=SimpleNamespace(max_grad_norm=1.0),
-        lr_scheduler=SimpleNamespace(step=lambda: calls.append("schedule")), state=SimpleNamespace())
+        accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
+        args=SimpleNamespace(max_grad_norm=1.0),
+        lr_scheduler=SimpleNamespace(step=lambda: calls.append("schedule")),
+        state=SimpleNamespace(),
+    )
     follower.optimizer_step = lambda: AgentGRPOTrainer.optimizer_step(follower)
-    team = SimpleNamespace(_team=[None, follower], args=SimpleNamespace(max_grad_norm=1.0), _follower_grad_norms=[[]],
-                           state=SimpleNamespace(global_step=0, epoch=0.0))
+    team = SimpleNamespace(
+        _team=[None, follower],
+        args=SimpleNamespace(max_grad_norm=1.0),
+        _follower_grad_norms=[[]],
+        state=SimpleNamespace(global_step=0, epoch=0.0),
+    )
     MAGRPOTrainer._step_followers(team)
     MAGRPOTrainer._step_followers(team)
     assert team._follower_grad_norms == [[3.0]]
@@ -302,8 +401,12 @@ def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_con
     at once) and gives the k3 sum of one plain forward, worked out here from the model's logits."""
     from comlrl_trl.orchestrator import reference_kl_stats
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=prompts_dataset,
-                            args=make_config(num_generations=2, per_device_train_batch_size=2, temperature=1.0))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(num_generations=2, per_device_train_batch_size=2, temperature=1.0),
+    )
     agent = trainer._team[0]
     generator = torch.Generator().manual_seed(0)
     rows, prompt_len, completion_len = 5, 3, 4
@@ -311,9 +414,13 @@ def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_con
     prompt_ids = torch.randint(0, vocab, (rows, prompt_len), generator=generator)
     completion_ids = torch.randint(0, vocab, (rows, completion_len), generator=generator)
     completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
-             "completion_mask": completion_mask,
-             "ref_per_token_logps": -6.0 + 0.5 * torch.randn(rows, completion_len, generator=generator)}
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "ref_per_token_logps": -6.0 + 0.5 * torch.randn(rows, completion_len, generator=generator),
+    }
     calls = []
     hook = agent.model.register_forward_pre_hook(lambda module, args: calls.append(1))
     stats = reference_kl_stats(agent, batch)
@@ -321,7 +428,7 @@ def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_con
     assert len(calls) == 3  # 5 rows in chunks of 2
     with torch.no_grad():
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        logits = agent.model(input_ids=input_ids).logits[:, prompt_len - 1:-1].float()
+        logits = agent.model(input_ids=input_ids).logits[:, prompt_len - 1 : -1].float()
         logps = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)
     delta = batch["ref_per_token_logps"] - logps
     expected = ((torch.exp(delta) - delta - 1) * completion_mask).sum()

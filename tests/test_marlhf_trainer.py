@@ -39,9 +39,17 @@ def length_reward(first, second):
 
 
 def _config(make_config, config_cls=MARLHFConfig, **overrides):
-    settings = dict(config_cls=config_cls, num_generations=2, max_new_tokens=6, learning_rate=0.05,
-                    lr_scheduler_type="constant", preference_num_candidates=4, preference_pairs_per_sample=2,
-                    reward_learning_rate=1e-3, reward_num_train_epochs=2)
+    settings = dict(
+        config_cls=config_cls,
+        num_generations=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        preference_num_candidates=4,
+        preference_pairs_per_sample=2,
+        reward_learning_rate=1e-3,
+        reward_num_train_epochs=2,
+    )
     settings.update(overrides)
     return make_config(**settings)
 
@@ -49,8 +57,13 @@ def _config(make_config, config_cls=MARLHFConfig, **overrides):
 def _trainer(path, make_config, trainer_cls=MARLHFTrainer, reward_func=length_reward, **kwargs):
     config = kwargs.pop("config", {})
     config_cls = MARLHFIterConfig if issubclass(trainer_cls, MARLHFIterTrainer) else MARLHFConfig
-    return trainer_cls(agent_model=path, reward_func=reward_func, train_dataset=ITEMS,
-                       args=_config(make_config, config_cls, **config), **kwargs)
+    return trainer_cls(
+        agent_model=path,
+        reward_func=reward_func,
+        train_dataset=ITEMS,
+        args=_config(make_config, config_cls, **config),
+        **kwargs,
+    )
 
 
 def _logged(history, key):
@@ -74,12 +87,26 @@ def test_reward_model_separates_toy_pairs(qwen_path, tmp_path):
     rejected = [joint_text([f"Task {i}", f"Task {i}"], [f"answer {i}", "all bad"]) for i in range(8)]
     scorer = RewardModelScorer(model, tokenizer, max_length=None)
     before = sum(c > r for c, r in zip(scorer.score(chosen), scorer.score(rejected))) / 8
-    args = RewardConfig(output_dir=str(tmp_path), report_to="none", save_strategy="no", logging_strategy="no",
-                        disable_tqdm=True, learning_rate=1e-3, num_train_epochs=4, per_device_train_batch_size=2,
-                        max_length=None, use_cpu=True, bf16=False, center_rewards_coefficient=0.01)
-    trainer = JointRewardTrainer(model=model.train().requires_grad_(True), args=args, processing_class=tokenizer,
-                                 train_dataset=Dataset.from_dict({"chosen": chosen, "rejected": rejected,
-                                                                  "margin": [0.5] * 8}))
+    args = RewardConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        num_train_epochs=4,
+        per_device_train_batch_size=2,
+        max_length=None,
+        use_cpu=True,
+        bf16=False,
+        center_rewards_coefficient=0.01,
+    )
+    trainer = JointRewardTrainer(
+        model=model.train().requires_grad_(True),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"chosen": chosen, "rejected": rejected, "margin": [0.5] * 8}),
+    )
     assert trainer.train_dataset.column_names == ["margin", "chosen_ids", "rejected_ids"]
     assert trainer.train_dataset[0]["chosen_ids"][-1] == tokenizer.eos_token_id
     trainer.train()
@@ -97,9 +124,19 @@ def test_frozen_backbone_and_lora_train_only_what_they_should(qwen_path, tmp_pat
     rows = Dataset.from_dict({"chosen": ["x good", "y good"], "rejected": ["x bad", "y bad"]})
 
     def run(model, **kwargs):
-        args = RewardConfig(output_dir=str(tmp_path), report_to="none", save_strategy="no", logging_strategy="no",
-                            disable_tqdm=True, learning_rate=1e-2, num_train_epochs=2, per_device_train_batch_size=2,
-                            max_length=None, use_cpu=True, bf16=False)
+        args = RewardConfig(
+            output_dir=str(tmp_path),
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            learning_rate=1e-2,
+            num_train_epochs=2,
+            per_device_train_batch_size=2,
+            max_length=None,
+            use_cpu=True,
+            bf16=False,
+        )
         trainer = JointRewardTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, **kwargs)
         before = snapshot(trainer.model)
         trainer.train()
@@ -139,11 +176,16 @@ def test_reward_model_is_loaded_without_a_device_map(qwen_path, monkeypatch):
 def test_reward_model_rows_and_margin():
     pair = PreferencePair(3, ["p1", "p2"], ["a", "b"], ["c", "d"], 2.0, 0.5, 1.0)
     row = pair.reward_model_row(joint_text, use_margin=True)
-    assert row == {"chosen": joint_text(["p1", "p2"], ["a", "b"]), "rejected": joint_text(["p1", "p2"], ["c", "d"]),
-                   "margin": 1.5}
+    assert row == {
+        "chosen": joint_text(["p1", "p2"], ["a", "b"]),
+        "rejected": joint_text(["p1", "p2"], ["c", "d"]),
+        "margin": 1.5,
+    }
     assert "margin" not in pair.reward_model_row(joint_text, use_margin=False)
-    assert row["chosen"] == "[Agent 1 prompt]\np1\n\n[Agent 1 response]\na\n\n[Agent 2 prompt]\np2\n\n" \
-                            "[Agent 2 response]\nb"
+    assert (
+        row["chosen"] == "[Agent 1 prompt]\np1\n\n[Agent 1 response]\na\n\n[Agent 2 prompt]\np2\n\n"
+        "[Agent 2 response]\nb"
+    )
 
 
 # ----- pairs -----
@@ -151,8 +193,13 @@ def test_reward_model_rows_and_margin():
 
 @pytest.mark.parametrize("selection, cap", [("reward_gap", 2), ("all", None), ("random", 3)])
 def test_pairs_drop_ties_and_respect_the_cap(qwen_path, make_config, selection, cap):
-    trainer = _trainer(qwen_path, make_config, config=dict(pair_selection=selection, preference_pairs_per_sample=cap,
-                                                           preference_num_candidates=5, max_new_tokens=16))
+    trainer = _trainer(
+        qwen_path,
+        make_config,
+        config=dict(
+            pair_selection=selection, preference_pairs_per_sample=cap, preference_num_candidates=5, max_new_tokens=16
+        ),
+    )
     pairs, mean = trainer._collect_pairs(0)
     assert trainer.rl_trainer.env_step == 5 * 4  # every candidate of every item scored once
     by_item = {}
@@ -169,8 +216,13 @@ def test_pairs_drop_ties_and_respect_the_cap(qwen_path, make_config, selection, 
             gaps = [p.chosen_reward - p.rejected_reward for p in item_pairs]
             assert gaps == sorted(gaps, reverse=True)
     assert math.isfinite(mean)
-    again = _trainer(qwen_path, make_config, config=dict(pair_selection=selection, preference_pairs_per_sample=cap,
-                                                         preference_num_candidates=5, max_new_tokens=16))
+    again = _trainer(
+        qwen_path,
+        make_config,
+        config=dict(
+            pair_selection=selection, preference_pairs_per_sample=cap, preference_num_candidates=5, max_new_tokens=16
+        ),
+    )
     assert again._collect_pairs(0)[0] == pairs  # seeded: the same pairs again
 
 
@@ -183,15 +235,17 @@ def test_joint_formatter_replaces_the_joint_text_everywhere(qwen_path, make_conf
     assert pairs[0].reward_model_row(trainer.joint_formatter, False)["chosen"] == " | ".join(pairs[0].chosen)
     assert trainer.learned_reward.joint_texts(ITEMS[0], [["a", "b"], ["c", "d"]]) == ["a | c", "b | d"]
     default = _trainer(qwen_path, make_config)
-    assert default.learned_reward.joint_texts(ITEMS[0], [["a"], ["c"]]) == [joint_text([ITEMS[0]["prompt"]] * 2,
-                                                                                      ["a", "c"])]
+    assert default.learned_reward.joint_texts(ITEMS[0], [["a"], ["c"]]) == [
+        joint_text([ITEMS[0]["prompt"]] * 2, ["a", "c"])
+    ]
 
 
 # ----- online RL against the learned reward -----
 
 
 def test_rl_rewards_are_the_reward_models_scores_and_evaluation_uses_the_task_reward(
-        qwen_path, make_config, tmp_path, monkeypatch):
+    qwen_path, make_config, tmp_path, monkeypatch
+):
     task_calls = []
 
     def task_reward(first, second):
@@ -202,9 +256,14 @@ def test_rl_rewards_are_the_reward_models_scores_and_evaluation_uses_the_task_re
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    trainer = _trainer(qwen_path, make_config, reward_func=task_reward, reward_processor=RewardProcessors.scale(10.0),
-                       eval_dataset=ITEMS, config=dict(eval_interval=2, eval_num_samples=2,
-                                                       reward_freeze_backbone=True))
+    trainer = _trainer(
+        qwen_path,
+        make_config,
+        reward_func=task_reward,
+        reward_processor=RewardProcessors.scale(10.0),
+        eval_dataset=ITEMS,
+        config=dict(eval_interval=2, eval_num_samples=2, reward_freeze_backbone=True),
+    )
     orchestrator = trainer.rl_trainer.orchestrator
     rl_calls, joint = [], orchestrator.joint_reward
 
@@ -230,7 +289,7 @@ def test_rl_rewards_are_the_reward_models_scores_and_evaluation_uses_the_task_re
     for (first, second), _, rewards, _ in evaluations:
         assert rewards == [10.0 * r for r in length_reward(first, second)]
     eval_logs = _logged(trainer.log_history, "eval/turn_1/reward_mean")
-    assert eval_logs == [sum(c[2][0] for c in evaluations[i:i + 2]) / 2 for i in range(0, 6, 2)]
+    assert eval_logs == [sum(c[2][0] for c in evaluations[i : i + 2]) / 2 for i in range(0, 6, 2)]
     # reward_freeze_backbone: the backbone is still the source's, only the head trained.
     source = AutoModelForCausalLM.from_pretrained(qwen_path).model.state_dict()
     assert all(torch.equal(model.model.state_dict()[name], value) for name, value in source.items())
@@ -276,13 +335,16 @@ class RecordingIterTrainer(MARLHFIterTrainer):
 
     def _new_reward_model(self, iteration):
         model = super()._new_reward_model(iteration)
-        self.loaded = getattr(self, "loaded", []) + [(iteration, {k: v.clone() for k, v in model.state_dict().items()})]
+        self.loaded = getattr(self, "loaded", []) + [
+            (iteration, {k: v.clone() for k, v in model.state_dict().items()})
+        ]
         return model
 
 
 def test_iterative_trainer_reloads_the_reward_model_and_collects_fresh_pairs(qwen_path, make_config):
-    trainer = _trainer(qwen_path, make_config, trainer_cls=RecordingIterTrainer,
-                       config=dict(num_iterations=2, num_train_epochs=1))
+    trainer = _trainer(
+        qwen_path, make_config, trainer_cls=RecordingIterTrainer, config=dict(num_iterations=2, num_train_epochs=1)
+    )
     first_pairs, trained = [], []
     train_reward_model = trainer._train_reward_model
 
@@ -304,8 +366,10 @@ def test_iterative_trainer_reloads_the_reward_model_and_collects_fresh_pairs(qwe
     fresh = load_reward_backbone(qwen_path, trainer.reward_tokenizer, seed=1)  # seed + iteration
     assert torch.equal(second["score.weight"], fresh.score.weight)
     assert _logged(trainer.log_history, "iter/iteration") == [1, 2]
-    assert _logged(trainer.log_history, "iter/total_preference_pairs") == [len(first_pairs[0]),
-                                                                           len(first_pairs[0]) + len(first_pairs[1])]
+    assert _logged(trainer.log_history, "iter/total_preference_pairs") == [
+        len(first_pairs[0]),
+        len(first_pairs[0]) + len(first_pairs[1]),
+    ]
     assert first_pairs[0] != first_pairs[1] and trainer.preference_pairs == first_pairs[1]
     assert trainer.rl_trainer.args.num_iterations == 1  # GRPO's mu, not the preference iterations
 
@@ -339,22 +403,41 @@ class CountingReward:
 def test_resume_in_the_middle_of_the_rl_stage(qwen_path, make_config, tmp_path):
     config = dict(num_train_epochs=2, eval_interval=4)
     lora = dict(reward_peft_config=LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj"]))
-    straight = _trainer(qwen_path, make_config, config=config, eval_dataset=ITEMS.select(range(1)), **lora,
-                        reward_func=CountingReward())
+    straight = _trainer(
+        qwen_path,
+        make_config,
+        config=config,
+        eval_dataset=ITEMS.select(range(1)),
+        **lora,
+        reward_func=CountingReward(),
+    )
     straight.train(checkpoint_dir=tmp_path / "ckpt")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     first = tmp_path / "ckpt" / "checkpoint-1"
-    assert sorted(os.listdir(first)) == ["actors", "comlrl_trl_checkpoint.json", "comlrl_trl_state.pt", "preference",
-                                         "rng_state.pth"]
+    assert sorted(os.listdir(first)) == [
+        "actors",
+        "comlrl_trl_checkpoint.json",
+        "comlrl_trl_state.pt",
+        "preference",
+        "rng_state.pth",
+    ]
     middle = tmp_path / "ckpt" / "checkpoint-2"
     assert {"rl", "preference"} <= set(os.listdir(middle))
-    assert os.stat(first / "preference" / "reward_model.safetensors").st_ino == \
-        os.stat(middle / "preference" / "reward_model.safetensors").st_ino  # linked, not copied
+    assert (
+        os.stat(first / "preference" / "reward_model.safetensors").st_ino
+        == os.stat(middle / "preference" / "reward_model.safetensors").st_ino
+    )  # linked, not copied
     metadata = read_checkpoint_metadata(middle)
     assert metadata["trainer_class"].endswith("MARLHFTrainer") and metadata["sequence"] == 2
 
-    resumed = _trainer(qwen_path, make_config, config=config, eval_dataset=ITEMS.select(range(1)), **lora,
-                       reward_func=CountingReward())
+    resumed = _trainer(
+        qwen_path,
+        make_config,
+        config=config,
+        eval_dataset=ITEMS.select(range(1)),
+        **lora,
+        reward_func=CountingReward(),
+    )
     resumed.train(resume_from_checkpoint=str(middle), checkpoint_dir=tmp_path / "ckpt2")
     _same_weights(straight, resumed)
     # 4 items ranked, then one evaluation item at the start of each RL epoch and after the stage
@@ -367,12 +450,26 @@ def test_resume_in_the_middle_of_the_rl_stage(qwen_path, make_config, tmp_path):
 @pytest.fixture(scope="module")
 def iterative_run(tmp_path_factory, qwen_path):
     root = tmp_path_factory.mktemp("iterative")
-    config = MARLHFIterConfig(output_dir=str(root / "out"), num_agents=2, num_generations=2, max_new_tokens=6,
-                              learning_rate=0.05, lr_scheduler_type="constant", logging_steps=1, report_to="none",
-                              gradient_checkpointing=False, eval_interval=0, seed=0, num_iterations=2,
-                              num_train_epochs=1, preference_num_candidates=4, preference_pairs_per_sample=2,
-                              reward_learning_rate=1e-3, pair_selection="random",
-                              preference_output_dir=str(root / "pairs"))
+    config = MARLHFIterConfig(
+        output_dir=str(root / "out"),
+        num_agents=2,
+        num_generations=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        gradient_checkpointing=False,
+        eval_interval=0,
+        seed=0,
+        num_iterations=2,
+        num_train_epochs=1,
+        preference_num_candidates=4,
+        preference_pairs_per_sample=2,
+        reward_learning_rate=1e-3,
+        pair_selection="random",
+        preference_output_dir=str(root / "pairs"),
+    )
     trainer = MARLHFIterTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
     trainer.train(checkpoint_dir=root / "ckpt")
     return root, trainer
@@ -385,8 +482,10 @@ def test_iterative_resume_matches_the_uninterrupted_run(iterative_run, qwen_path
     assert sorted(os.listdir(root / "pairs"))[:2] == ["pairs_iteration_0001.json", "pairs_iteration_0002.json"]
     config = straight.args
     resumed = MARLHFIterTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
-    resumed.train(resume_from_checkpoint=str(root / "ckpt" / f"checkpoint-{checkpoint}"),
-                  checkpoint_dir=root / f"resumed-{checkpoint}")
+    resumed.train(
+        resume_from_checkpoint=str(root / "ckpt" / f"checkpoint-{checkpoint}"),
+        checkpoint_dir=root / f"resumed-{checkpoint}",
+    )
     _same_weights(straight, resumed)
     assert resumed.preference_pairs == straight.preference_pairs
     for key in ("turn_1/reward_mean", "iter/iteration", "preference/pairs", "reward_model/accuracy"):
@@ -412,48 +511,68 @@ def test_construction_errors_name_the_argument(qwen_path, make_config):
     model = AutoModelForCausalLM.from_pretrained(qwen_path)
     tokenizer = AutoTokenizer.from_pretrained(qwen_path, padding_side="left")
     with pytest.raises(ValueError, match="reward_model_name must be set"):
-        MARLHFTrainer(agents=[model, model], tokenizer=tokenizer, reward_func=length_reward, train_dataset=ITEMS,
-                      args=_config(make_config))
+        MARLHFTrainer(
+            agents=[model, model],
+            tokenizer=tokenizer,
+            reward_func=length_reward,
+            train_dataset=ITEMS,
+            args=_config(make_config),
+        )
     with pytest.raises(ValueError, match="critic_model only apply to rl_algorithm 'iac' or 'maac'"):
         _trainer(qwen_path, make_config, critic_model=qwen_path)
     with pytest.raises(ValueError, match="critic_model_name must be set"):
-        MARLHFTrainer(agents=[model, model], tokenizer=tokenizer, reward_func=length_reward, train_dataset=ITEMS,
-                      args=_config(make_config, rl_algorithm="maac", reward_model_name=qwen_path))
+        MARLHFTrainer(
+            agents=[model, model],
+            tokenizer=tokenizer,
+            reward_func=length_reward,
+            train_dataset=ITEMS,
+            args=_config(make_config, rl_algorithm="maac", reward_model_name=qwen_path),
+        )
     with pytest.raises(ValueError, match="reward_freeze_backbone=True"):
-        _trainer(qwen_path, make_config, config=dict(reward_freeze_backbone=True),
-                 reward_peft_config=LoraConfig(task_type="SEQ_CLS"))
+        _trainer(
+            qwen_path,
+            make_config,
+            config=dict(reward_freeze_backbone=True),
+            reward_peft_config=LoraConfig(task_type="SEQ_CLS"),
+        )
     with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset"):
-        MARLHFTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=list(ITEMS),
-                      args=_config(make_config))
+        MARLHFTrainer(
+            agent_model=qwen_path, reward_func=length_reward, train_dataset=list(ITEMS), args=_config(make_config)
+        )
     with pytest.raises(TypeError, match="joint_formatter"):
         _trainer(qwen_path, make_config, joint_formatter="text")
     with pytest.raises(TypeError, match="args must be a MARLHFConfig"):
-        MARLHFTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS,
-                      args=make_config())
+        MARLHFTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=make_config())
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(rl_algorithm="ppo"), "rl_algorithm must be one of"),
-    (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
-    (dict(preference_pairs_per_sample=0), "preference_pairs_per_sample must be a positive integer or None"),
-    (dict(pair_selection="all"), "must be None with pair_selection='all'"),
-    (dict(num_generations=1), "num_generations must be >= 2"),
-    (dict(reward_learning_rate=0.0), "reward_learning_rate must be > 0"),
-    (dict(reward_max_length=1), "reward_max_length must be >= 2"),
-    (dict(reward_model_device="gpu9"), "reward_model_device='gpu9' is not a torch device"),
-    (dict(advantage_mode="max"), "conflicts with rl_algorithm='magrpo'"),
-    (dict(critic_type="z"), "critic_type must be 'v' or 'q'"),
-    (dict(joint_mode="cross"), "joint_mode='align' only"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(rl_algorithm="ppo"), "rl_algorithm must be one of"),
+        (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
+        (dict(preference_pairs_per_sample=0), "preference_pairs_per_sample must be a positive integer or None"),
+        (dict(pair_selection="all"), "must be None with pair_selection='all'"),
+        (dict(num_generations=1), "num_generations must be >= 2"),
+        (dict(reward_learning_rate=0.0), "reward_learning_rate must be > 0"),
+        (dict(reward_max_length=1), "reward_max_length must be >= 2"),
+        (dict(reward_model_device="gpu9"), "reward_model_device='gpu9' is not a torch device"),
+        (dict(advantage_mode="max"), "conflicts with rl_algorithm='magrpo'"),
+        (dict(critic_type="z"), "critic_type must be 'v' or 'q'"),
+        (dict(joint_mode="cross"), "joint_mode='align' only"),
+    ],
+)
 def test_config_errors_name_the_field(make_config, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(make_config, **overrides)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(num_iterations=0), "num_iterations must be an integer >= 1"),
-    (dict(rl_num_iterations=0), "rl_num_iterations must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_iterations=0), "num_iterations must be an integer >= 1"),
+        (dict(rl_num_iterations=0), "rl_num_iterations must be an integer >= 1"),
+    ],
+)
 def test_iter_config_errors(make_config, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(make_config, MARLHFIterConfig, **overrides)
@@ -461,7 +580,7 @@ def test_iter_config_errors(make_config, overrides, message):
 
 # ----- two processes -----
 
-_DDP_SCRIPT = '''
+_DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
 from datasets import Dataset
@@ -497,15 +616,23 @@ gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, rank)
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps({"ranks": gathered, "start": start, "pairs": marlhf.log_history[0]["preference/pairs"]}))
-'''
+"""
 
 
 def test_two_processes_collect_pairs_once_and_stay_in_sync(tmp_path):
     script = tmp_path / "preference_ddp.py"
     script.write_text(_DDP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])

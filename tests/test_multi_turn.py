@@ -18,11 +18,26 @@ class RecordingTransition:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, *, prompt, agent_completions, num_agents, prompt_history_per_agent,
-                 response_history_per_agent, batch_item):
-        self.calls.append(dict(prompt=prompt, completions=list(agent_completions), num_agents=num_agents,
-                               prompts=prompt_history_per_agent, responses=response_history_per_agent,
-                               item=batch_item))
+    def __call__(
+        self,
+        *,
+        prompt,
+        agent_completions,
+        num_agents,
+        prompt_history_per_agent,
+        response_history_per_agent,
+        batch_item,
+    ):
+        self.calls.append(
+            dict(
+                prompt=prompt,
+                completions=list(agent_completions),
+                num_agents=num_agents,
+                prompts=prompt_history_per_agent,
+                responses=response_history_per_agent,
+                item=batch_item,
+            )
+        )
         turn = len(response_history_per_agent[0])
         return [f"Feedback {turn} for agent {a}: revise {batch_item['tid']}" for a in range(num_agents)]
 
@@ -39,8 +54,14 @@ class RecordingReward:
 
 def _trainer(qwen_path, make_config, n_items=2, **config):
     transition, reward = RecordingTransition(), RecordingReward()
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=_dataset(n_items),
-                            eval_dataset=_dataset(2), external_transition=transition, args=make_config(**config))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=reward,
+        train_dataset=_dataset(n_items),
+        eval_dataset=_dataset(2),
+        external_transition=transition,
+        args=make_config(**config),
+    )
     return trainer, transition, reward
 
 
@@ -49,8 +70,7 @@ def _trainer(qwen_path, make_config, n_items=2, **config):
     [(2, "align", 4, 4 + 16, 4), (3, "align", 2, 2 + 4 + 8, 2 + 4), (2, "cross", 2, 4 + 16, 4)],
 )
 def test_tree_sizes_and_every_agent_learns(qwen_path, make_config, turns, mode, k, per_item, transitions_per_item):
-    trainer, transition, reward = _trainer(qwen_path, make_config, num_turns=turns, joint_mode=mode,
-                                           num_generations=k)
+    trainer, transition, reward = _trainer(qwen_path, make_config, num_turns=turns, joint_mode=mode, num_generations=k)
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
     assert trainer.env_step == 2 * per_item
@@ -64,8 +84,9 @@ def test_tree_sizes_and_every_agent_learns(qwen_path, make_config, turns, mode, 
 
 
 def test_transition_sees_branch_histories(qwen_path, make_config):
-    trainer, transition, reward = _trainer(qwen_path, make_config, n_items=1, num_turns=3, num_generations=2,
-                                           max_steps=1)
+    trainer, transition, reward = _trainer(
+        qwen_path, make_config, n_items=1, num_turns=3, num_generations=2, max_steps=1
+    )
     trainer.train()
     first, second, _, _ = reward.calls[0]  # turn 1 of item 0
     after_turn_1 = transition.calls[:2]
@@ -82,15 +103,24 @@ def test_transition_sees_branch_histories(qwen_path, make_config):
 
 def test_returns_and_advantages_follow_the_tree(qwen_path, make_config):
     gamma = 0.5
-    trainer, transition, reward = _trainer(qwen_path, make_config, n_items=1, num_turns=2, num_generations=2,
-                                           discount=gamma, advantage_normalization=False, advantage_mode="mean",
-                                           turn_gradient_weights=[1.0, 0.25])
+    trainer, transition, reward = _trainer(
+        qwen_path,
+        make_config,
+        n_items=1,
+        num_turns=2,
+        num_generations=2,
+        discount=gamma,
+        advantage_normalization=False,
+        advantage_mode="mean",
+        turn_gradient_weights=[1.0, 0.25],
+    )
     for model in trainer.agents:
         model.train()
     rollout = trainer.orchestrator.rollout([dict(trainer.train_dataset[0])] * 2)
     turn1 = reward.calls[0][3]
     children = [call[3] for call in reward.calls[1:]]  # the two turn-2 nodes, in joint-action order
     returns_1 = torch.tensor([r + gamma * sum(c) / len(c) for r, c in zip(turn1, children)])
+
     # mean baseline over a group of two, no normalisation: (a - b) / 2 and (b - a) / 2
     def centred(a, b):
         return [(a - b) / 2, (b - a) / 2]
@@ -107,9 +137,13 @@ def test_returns_and_advantages_follow_the_tree(qwen_path, make_config):
 
 def test_early_termination_stops_expanding(qwen_path, make_config):
     transition = RecordingTransition()
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=lambda a, b: [1.0] * len(a),
-                            train_dataset=_dataset(2), external_transition=transition,
-                            args=make_config(num_turns=3, num_generations=2, early_termination_threshold=0.5))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=lambda a, b: [1.0] * len(a),
+        train_dataset=_dataset(2),
+        external_transition=transition,
+        args=make_config(num_turns=3, num_generations=2, early_termination_threshold=0.5),
+    )
     trainer.train()
     assert transition.calls == [] and trainer.env_step == 2 * 2
 
@@ -122,19 +156,28 @@ def test_formatter_external_prompts_and_passthrough(qwen_path, make_config):
         return f"[{item['tid']}] {external_prompts or item['prompt']}"
 
     transition = RecordingTransition()
-    trainer = MAGRPOTrainer(agent_model=qwen_path, formatters=formatter, reward_func=RecordingReward(),
-                            train_dataset=_dataset(1), external_transition=transition,
-                            args=make_config(num_turns=2, num_generations=2))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        formatters=formatter,
+        reward_func=RecordingReward(),
+        train_dataset=_dataset(1),
+        external_transition=transition,
+        args=make_config(num_turns=2, num_generations=2),
+    )
     trainer.train()
     assert seen[:2] == [None, None]  # first turn: the item only
     assert "Feedback 1 for agent 0: revise 0" in seen[2:]
     assert len(transition.calls) == 2  # after turn 1 only, once per joint action
 
     passthrough = RecordingTransition()
-    trainer = MAGRPOTrainer(agent_model=qwen_path, formatters=formatter, reward_func=RecordingReward(),
-                            train_dataset=_dataset(1), external_transition=passthrough,
-                            args=make_config(num_turns=3, num_generations=2, external_prompt_passthrough=True,
-                                             max_steps=1))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        formatters=formatter,
+        reward_func=RecordingReward(),
+        train_dataset=_dataset(1),
+        external_transition=passthrough,
+        args=make_config(num_turns=3, num_generations=2, external_prompt_passthrough=True, max_steps=1),
+    )
     trainer.train()
     later = passthrough.calls[2]["prompts"][1]
     assert later[1] == "Feedback 1 for agent 1: revise 0"  # verbatim, not "[0] Feedback ..."
@@ -151,10 +194,16 @@ def test_evaluation_runs_one_path_per_item(qwen_path, make_config):
         return {"mean_turns": sum(r["turns"] for r in rows) / len(rows)}
 
     transition = RecordingTransition()
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=RecordingReward(), train_dataset=_dataset(2),
-                            eval_dataset=_dataset(2), external_transition=transition, eval_logger=eval_logger,
-                            eval_aggregator=eval_aggregator,
-                            args=make_config(num_turns=3, num_generations=2, discount=0.5, eval_batch_size=2))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=RecordingReward(),
+        train_dataset=_dataset(2),
+        eval_dataset=_dataset(2),
+        external_transition=transition,
+        eval_logger=eval_logger,
+        eval_aggregator=eval_aggregator,
+        args=make_config(num_turns=3, num_generations=2, discount=0.5, eval_batch_size=2),
+    )
     metrics = trainer.evaluate(num_eval_samples=2)
     assert len(transition.calls) == 2 * 2  # one path per item: a transition after turns 1 and 2
     assert metrics["eval/mean_turns"] == 3.0
@@ -171,16 +220,26 @@ def test_transition_errors_name_the_item(qwen_path, make_config):
     def wrong_count(**kwargs):
         return ["only one"]
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=RecordingReward(), train_dataset=_dataset(1),
-                            external_transition=wrong_count, args=make_config(num_turns=2, num_generations=2))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=RecordingReward(),
+        train_dataset=_dataset(1),
+        external_transition=wrong_count,
+        args=make_config(num_turns=2, num_generations=2),
+    )
     with pytest.raises(ValueError, match="2 prompts .* task item 0"):
         trainer.train()
 
     def wrong_type(**kwargs):
         return ["fine", 3]
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=RecordingReward(), train_dataset=_dataset(1),
-                            external_transition=wrong_type, args=make_config(num_turns=2, num_generations=2))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=RecordingReward(),
+        train_dataset=_dataset(1),
+        external_transition=wrong_type,
+        args=make_config(num_turns=2, num_generations=2),
+    )
     with pytest.raises(TypeError, match="agent 1"):
         trainer.train()
 
@@ -188,8 +247,9 @@ def test_transition_errors_name_the_item(qwen_path, make_config):
 def test_explosion_guard_and_turn_settings(tmp_path):
     with pytest.raises(ValueError, match="joint actions"):
         MAGRPOConfig(output_dir=str(tmp_path), num_agents=3, joint_mode="cross", num_turns=2)  # 64 + 4096
-    MAGRPOConfig(output_dir=str(tmp_path), num_agents=3, joint_mode="cross", num_turns=2,
-                 max_joint_actions_per_item=5000)
+    MAGRPOConfig(
+        output_dir=str(tmp_path), num_agents=3, joint_mode="cross", num_turns=2, max_joint_actions_per_item=5000
+    )
     with pytest.raises(ValueError, match="turn_gradient_weights"):
         MAGRPOConfig(output_dir=str(tmp_path), num_turns=2, turn_gradient_weights=[1.0])
     with pytest.raises(ValueError, match="turn_gradient_weights"):

@@ -15,10 +15,12 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 def test_every_agent_trains_on_each_micro_batch_of_a_generation(qwen_path, make_config):
     """Two micro-batches per generation (gradient accumulation 2): agent 0 and the follower must both train on
     micro-batch 0, then 1, of their own buffered generation; never twice on the first."""
-    config = make_config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                         max_new_tokens=4, max_steps=2)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=lambda a, b: [float(len(x)) for x in b],
-                            train_dataset=ITEMS, args=config)
+    config = make_config(
+        num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_new_tokens=4, max_steps=2
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, reward_func=lambda a, b: [float(len(x)) for x in b], train_dataset=ITEMS, args=config
+    )
     assert trainer.args.steps_per_generation == 2
     follower = trainer._team[1]
     used = []  # per follower training step: the index of its micro-batch in the current buffered generation
@@ -38,10 +40,17 @@ def test_cross_mode_gives_every_agent_its_own_completion_returns(qwen_path, make
     takes part in the joint actions with k0 = k: returns (1+2)/2 = 1.5 and (3+4)/2 = 3.5. Agent 1's completion k
     in those with k1 = k: (1+3)/2 = 2 and (2+4)/2 = 3. With raw advantages and no normalisation, these are the
     advantages."""
-    config = make_config(num_generations=2, joint_mode="cross", advantage_mode="raw", advantage_normalization=False,
-                         max_new_tokens=4, max_steps=1)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=lambda a, b: [1.0, 2.0, 3.0, 4.0],
-                            train_dataset=ITEMS, args=config)
+    config = make_config(
+        num_generations=2,
+        joint_mode="cross",
+        advantage_mode="raw",
+        advantage_normalization=False,
+        max_new_tokens=4,
+        max_steps=1,
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, reward_func=lambda a, b: [1.0, 2.0, 3.0, 4.0], train_dataset=ITEMS, args=config
+    )
     for model in trainer.agents:
         model.train()
     rollout = trainer.orchestrator.rollout([{"prompt": "Say something:"}] * 2)
@@ -51,11 +60,24 @@ def test_cross_mode_gives_every_agent_its_own_completion_returns(qwen_path, make
 
 
 def _iac(qwen_path, make_config, reward, transition=None, **overrides):
-    settings = dict(config_cls=IACConfig, num_generations=1, per_device_train_batch_size=2, max_new_tokens=4,
-                    advantage_normalization=False, max_steps=1, use_separate_critic=False)
+    settings = dict(
+        config_cls=IACConfig,
+        num_generations=1,
+        per_device_train_batch_size=2,
+        max_new_tokens=4,
+        advantage_normalization=False,
+        max_steps=1,
+        use_separate_critic=False,
+    )
     settings.update(overrides)
-    trainer = IACTrainer(agent_model=qwen_path, reward_func=reward, train_dataset=ITEMS, eval_dataset=ITEMS,
-                         args=make_config(**settings), external_transition=transition)
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        reward_func=reward,
+        train_dataset=ITEMS,
+        eval_dataset=ITEMS,
+        args=make_config(**settings),
+        external_transition=transition,
+    )
     for model in trainer.agents:
         model.train()
     return trainer
@@ -72,7 +94,9 @@ def test_actor_critic_advantage_is_the_target_minus_the_value(qwen_path, make_co
             model.value_head.net[-1].bias.fill_(bias)
     rollout = trainer.orchestrator.rollout([{"prompt": "Say something:"}, {"prompt": "Say more:"}])
     expected = [(0.25, 0.125, 0.125), (0.75, -0.5, 1.25)]
-    for (reward, value, advantage), batch, advantages in zip(expected, rollout.agent_batches, rollout.agent_advantages):
+    for (reward, value, advantage), batch, advantages in zip(
+        expected, rollout.agent_batches, rollout.agent_advantages
+    ):
         assert batch["value_targets"].tolist() == [reward, reward]
         assert batch["old_values"].tolist() == [value, value]
         assert advantages.tolist() == [advantage, advantage]
@@ -88,8 +112,15 @@ def test_actor_critic_team_reward_is_the_mean_over_agents(qwen_path, make_config
         transitions.append(1)
         return ["Go on", "Go on"]
 
-    trainer = _iac(qwen_path, make_config, lambda a, b: [1.0, 3.0], transition, num_turns=2,
-                   early_termination_threshold=2.5, eval_num_samples=2)
+    trainer = _iac(
+        qwen_path,
+        make_config,
+        lambda a, b: [1.0, 3.0],
+        transition,
+        num_turns=2,
+        early_termination_threshold=2.5,
+        eval_num_samples=2,
+    )
     rollout = trainer.orchestrator.rollout([{"prompt": "Say something:"}, {"prompt": "Say more:"}])
     assert rollout.turn_rewards == [[2.0, 2.0], [2.0, 2.0]]
     assert len(transitions) == 2  # both items expanded into a second turn
@@ -113,7 +144,8 @@ def test_every_agent_gets_its_rows_through_the_same_entry(qwen_path, make_config
 
     monkeypatch.setattr(AgentGRPOTrainer, "fill_micro_batches", record)
     config = make_config(num_agents=3, num_generations=2, max_new_tokens=4, max_steps=2)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=lambda a, b, c: [float(len(x)) for x in c],
-                            train_dataset=ITEMS, args=config)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, reward_func=lambda a, b, c: [float(len(x)) for x in c], train_dataset=ITEMS, args=config
+    )
     trainer.train()
     assert filled == [0, 1, 2, 0, 1, 2]

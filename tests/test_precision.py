@@ -19,14 +19,28 @@ def _lengths(*agent_completions, **kwargs):
 
 
 def _config(tmp_path, **kwargs):
-    settings = dict(output_dir=str(tmp_path / "out"), num_generations=4, max_new_tokens=8, learning_rate=0.05,
-                    logging_steps=1, report_to="none", num_train_epochs=1, seed=3, eval_interval=0)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        num_generations=4,
+        max_new_tokens=8,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to="none",
+        num_train_epochs=1,
+        seed=3,
+        eval_interval=0,
+    )
     return MAGRPOConfig(**(settings | kwargs))
 
 
 def test_generation_forward_and_backward_run_in_bf16(qwen_path, tmp_path):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=_lengths, train_dataset=_items(2),
-                            args=_config(tmp_path, num_agents=2, bf16=True, per_device_train_batch_size=4))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=_lengths,
+        train_dataset=_items(2),
+        args=_config(tmp_path, num_agents=2, bf16=True, per_device_train_batch_size=4),
+    )
     seen = {"generation": set(), "training forward": set(), "backward": set()}
 
     def forward_hook(module, inputs, output):  # beta=0 and one update per rollout: no grad-free scoring pass
@@ -46,12 +60,18 @@ def test_generation_forward_and_backward_run_in_bf16(qwen_path, tmp_path):
     for agent in trainer._team:
         assert {p.dtype for p in agent.model.parameters()} == {torch.float32}
         assert {s.dtype for state in agent.optimizer.state.values() for s in state.values() if s.dim() > 0} == {
-            torch.float32}
+            torch.float32
+        }
 
 
 def test_bf16_false_keeps_fp32(qwen_path, tmp_path):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=_items(1),
-                            args=_config(tmp_path, num_agents=1, bf16=False, per_device_train_batch_size=4))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=_lengths,
+        train_dataset=_items(1),
+        args=_config(tmp_path, num_agents=1, bf16=False, per_device_train_batch_size=4),
+    )
     dtypes = set()
     trainer.agents[0].model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
     trainer.train()
@@ -62,18 +82,39 @@ def test_one_agent_matches_trl_grpo_in_bf16_within_tolerance(qwen_path, tmp_path
     """In bf16, N=1 MAGRPO still is TRL's GRPO: same rewards, and losses, gradient norms and weights within bf16
     rounding (TRL generates in fp32 and MAGRPO under bf16 autocast, which samples the same tokens here)."""
     dataset = _items(6)
-    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=0.05,
-                  logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1, seed=3,
-                  shuffle_dataset=False, save_strategy="no", bf16=True, use_cpu=True)
+    common = dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        seed=3,
+        shuffle_dataset=False,
+        save_strategy="no",
+        bf16=True,
+        use_cpu=True,
+    )
 
     def trl_reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    reference = GRPOTrainer(model=qwen_path, reward_funcs=trl_reward, train_dataset=dataset,
-                            args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common))
+    reference = GRPOTrainer(
+        model=qwen_path,
+        reward_funcs=trl_reward,
+        train_dataset=dataset,
+        args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common),
+    )
     reference.train()
-    ours = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=dataset,
-                         args=MAGRPOConfig(output_dir=str(tmp_path / "ours"), num_agents=1, eval_interval=0, **common))
+    ours = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=_lengths,
+        train_dataset=dataset,
+        args=MAGRPOConfig(output_dir=str(tmp_path / "ours"), num_agents=1, eval_interval=0, **common),
+    )
     ours.train()
 
     trl_logs = [row for row in reference.state.log_history if "reward" in row]
@@ -91,15 +132,21 @@ def test_cpu_default_bf16_is_off_for_models_too_small_to_gain(qwen_path, tmp_pat
     monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
     config = _config(tmp_path, num_agents=1, use_cpu=True)
     assert config.bf16 is True and config.bf16_from_default  # the device supports it ...
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=_items(1),
-                            args=config)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=_items(1), args=config
+    )
     assert trainer.args.bf16 is False  # ... but hidden size 32 < 256: casts would cost more than bf16 saves
     assert trainer.accelerator.mixed_precision == "no"
 
 
 def test_explicit_bf16_is_kept_for_small_models(qwen_path, tmp_path):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=_items(1),
-                            args=_config(tmp_path, num_agents=1, bf16=True))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=_lengths,
+        train_dataset=_items(1),
+        args=_config(tmp_path, num_agents=1, bf16=True),
+    )
     assert trainer.args.bf16 is True and trainer.accelerator.mixed_precision == "bf16"
 
 
@@ -112,9 +159,14 @@ def test_hidden_size_threshold(qwen_path, monkeypatch):
 def test_lora_generation_casts_the_frozen_base_once_and_keeps_it_frozen(qwen_path, tmp_path):
     from peft import LoraConfig
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=_lengths, train_dataset=_items(1),
-                            args=_config(tmp_path, num_agents=1, bf16=True, max_new_tokens=8),
-                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=_lengths,
+        train_dataset=_items(1),
+        args=_config(tmp_path, num_agents=1, bf16=True, max_new_tokens=8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
     with torch.profiler.profile(record_shapes=True) as profile:
         trainer.generate(["Question 1: say a word"] * 4)

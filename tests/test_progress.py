@@ -7,29 +7,42 @@ from comlrl_trl.plotting import reward_curve_series
 
 
 def test_training_line_shows_the_headline_metrics_in_order():
-    logs = {"env_step": 48, "turn_1/reward_mean": 0.8125, "turn_1/expected_return": 1.5, "loss": 0.25,
-            "agent_0/loss": 0.1, "turn_2/reward_mean": 0.5, "turn_2/expected_return": 0.5}
+    logs = {
+        "env_step": 48,
+        "turn_1/reward_mean": 0.8125,
+        "turn_1/expected_return": 1.5,
+        "loss": 0.25,
+        "agent_0/loss": 0.1,
+        "turn_2/reward_mean": 0.5,
+        "turn_2/expected_return": 0.5,
+    }
     line = format_log_line(logs, step=12)
-    assert line == ("step 12 | env_step 48 | turn_1 reward 0.8125 | turn_1 return 1.5 | loss 0.25 | "
-                    "turn_2 reward 0.5")
+    assert line == ("step 12 | env_step 48 | turn_1 reward 0.8125 | turn_1 return 1.5 | loss 0.25 | turn_2 reward 0.5")
 
 
 def test_eval_and_summary_lines():
     assert format_log_line({"env_step": 8, "eval/turn_1/reward_mean": 0.5}, step=2) == (
-        "eval at env_step 8 | turn_1/reward_mean 0.5")
+        "eval at env_step 8 | turn_1/reward_mean 0.5"
+    )
     assert format_log_line({"train_runtime": 12.34}, step=3) == "done in 12.3 s"
-    assert format_log_line({"env_step": 40, "preference/pairs": 12.0, "reward_model/accuracy": 0.75,
-                            "reward_model/loss": 0.4}, step=0) == (
-        "step 0 | env_step 40 | preference/pairs 12 | reward_model/accuracy 0.75 | reward_model/loss 0.4")
+    assert format_log_line(
+        {"env_step": 40, "preference/pairs": 12.0, "reward_model/accuracy": 0.75, "reward_model/loss": 0.4}, step=0
+    ) == ("step 0 | env_step 40 | preference/pairs 12 | reward_model/accuracy 0.75 | reward_model/loss 0.4")
     assert format_log_line({"learning_rate": 1e-5}, step=3) is None
 
 
 def test_reward_curve_series_follows_env_step():
-    history = [{"env_step": 4, "turn_1/reward_mean": 0.1}, {"env_step": 0, "eval/turn_1/reward_mean": 0.3},
-               {"env_step": 8, "turn_1/reward_mean": 0.2, "turn_2/reward_mean": 0.4}, {"train_runtime": 1.0}]
-    assert reward_curve_series(history) == {"turn_1/reward_mean": ([4, 8], [0.1, 0.2]),
-                                            "eval/turn_1/reward_mean": ([0], [0.3]),
-                                            "turn_2/reward_mean": ([8], [0.4])}
+    history = [
+        {"env_step": 4, "turn_1/reward_mean": 0.1},
+        {"env_step": 0, "eval/turn_1/reward_mean": 0.3},
+        {"env_step": 8, "turn_1/reward_mean": 0.2, "turn_2/reward_mean": 0.4},
+        {"train_runtime": 1.0},
+    ]
+    assert reward_curve_series(history) == {
+        "turn_1/reward_mean": ([4, 8], [0.1, 0.2]),
+        "eval/turn_1/reward_mean": ([0], [0.3]),
+        "turn_2/reward_mean": ([8], [0.4]),
+    }
 
 
 def test_a_failed_train_closes_the_progress_bar(qwen_path, prompts_dataset, make_config):
@@ -40,8 +53,13 @@ def test_a_failed_train_closes_the_progress_bar(qwen_path, prompts_dataset, make
     def failing_reward(first, second, *, batch_items):
         raise RuntimeError("reward service down")
 
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=failing_reward,
-                            train_dataset=prompts_dataset, args=make_config())
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=failing_reward,
+        train_dataset=prompts_dataset,
+        args=make_config(),
+    )
     bars = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TeamProgressCallback)]
     assert len(bars) == 1
     with pytest.raises(RuntimeError, match="reward service down"):

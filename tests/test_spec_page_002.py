@@ -25,28 +25,29 @@ from comlrl_trl.utils.reward_processor import RewardProcessors
 
 # Settings every training config in this file adds to the snippet's own (see the module docstring).
 def _fast(tmp_dir, **overrides):
-    return dict(max_new_tokens=8, output_dir=str(tmp_dir), report_to="none", gradient_checkpointing=False,
-                **overrides)
+    return dict(max_new_tokens=8, output_dir=str(tmp_dir), report_to="none", gradient_checkpointing=False, **overrides)
 
 
 # ===== Page 002, "Task Sets" =====
 
-tasks = Dataset.from_dict({
-    "prompt": [
-        "Describe a city in the clouds.",
-        "Invent a new holiday.",
-        "Write a bedtime story for a dragon.",
-        "Explain how teleportation might work.",
-        "Tell a story about dinosaurs.",
-        "Describe a world without electricity.",
-        "Create a superhero with a unique power.",
-        "Write a scene where the moon talks.",
-        "Invent a new type of fruit.",
-        "Design a playground on Mars.",
-    ],
-    "target_min": [2.0] * 10,
-    "target_max": [3.0] * 10,
-})
+tasks = Dataset.from_dict(
+    {
+        "prompt": [
+            "Describe a city in the clouds.",
+            "Invent a new holiday.",
+            "Write a bedtime story for a dragon.",
+            "Explain how teleportation might work.",
+            "Tell a story about dinosaurs.",
+            "Describe a world without electricity.",
+            "Create a superhero with a unique power.",
+            "Write a scene where the moon talks.",
+            "Invent a new type of fruit.",
+            "Design a playground on Mars.",
+        ],
+        "target_min": [2.0] * 10,
+        "target_max": [3.0] * 10,
+    }
+)
 
 split = tasks.train_test_split(test_size=0.2, seed=42)
 train_dataset = split["train"]
@@ -54,6 +55,7 @@ eval_dataset = split["test"]
 
 
 # ===== Page 002, "Prompts from Tasks" =====
+
 
 def brief_formatter(item):
     return f"Write a short response to this task:\n{item['prompt']}"
@@ -67,6 +69,7 @@ formatters = [brief_formatter, detailed_formatter]
 
 
 # ===== Page 002, "Rule-Based Rewards" =====
+
 
 def reward_func(brief_completions, detailed_completions, *, batch_items):
     item = batch_items[0]
@@ -83,12 +86,12 @@ def reward_func(brief_completions, detailed_completions, *, batch_items):
 
 # ===== Page 002, "Custom Metrics" =====
 
+
 def eval_logger(*, agent_completions_turns, batch_items, prompts):
     return [
         {
-            f"turn_{turn + 1}/response_chars": sum(
-                len(agent[row][turn]) for agent in agent_completions_turns
-            ) / len(agent_completions_turns)
+            f"turn_{turn + 1}/response_chars": sum(len(agent[row][turn]) for agent in agent_completions_turns)
+            / len(agent_completions_turns)
             for turn in range(len(agent_completions_turns[0][row]))
         }
         for row in range(len(batch_items))
@@ -96,11 +99,15 @@ def eval_logger(*, agent_completions_turns, batch_items, prompts):
 
 
 def eval_aggregator(rows, *, num_turns):
-    return {
-        key: sum(row[key] for row in rows) / len(rows)
-        for turn in range(num_turns)
-        for key in [f"turn_{turn + 1}/response_chars"]
-    } if rows else {}
+    return (
+        {
+            key: sum(row[key] for row in rows) / len(rows)
+            for turn in range(num_turns)
+            for key in [f"turn_{turn + 1}/response_chars"]
+        }
+        if rows
+        else {}
+    )
 
 
 EVAL_KEYS = {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
@@ -174,7 +181,9 @@ def test_reward_processor_scale():
     processor = RewardProcessors.scale(factor=10.0)
     assert processor(0.5) == pytest.approx(5.0)
     assert [processor(r) for r in reward_func(["Hi", ""], ["Hello", "x"], batch_items=[train_dataset[0]])] == [
-        pytest.approx(10.0), 0.0]
+        pytest.approx(10.0),
+        0.0,
+    ]
 
 
 # ----- training and evaluation -----
@@ -202,8 +211,14 @@ def test_training_example_trains_and_evaluates(trained):
 
 
 def test_evaluate_without_eval_dataset_returns_empty_dict(qwen_path, tmp_path):
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
-                            train_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        formatters=formatters,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
+    )
     assert trainer.evaluate() == {}
     assert trainer.evaluate(num_eval_samples=2) == {}
 
@@ -221,18 +236,32 @@ def test_wandb_config_snippet_is_accepted(qwen_path, tmp_path):
             "output": {"verbose": True},
         },
     }
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
-                            train_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
-                            wandb_config=wandb_config)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        formatters=formatters,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
+        wandb_config=wandb_config,
+    )
     # config_sections.output.verbose controls trainer progress output (our bar replaces transformers' one).
     callbacks = trainer.callback_handler.callbacks
     assert any(isinstance(cb, TeamProgressCallback) for cb in callbacks)
     assert not any(isinstance(cb, ProgressCallback) for cb in callbacks)
     quiet = {**wandb_config, "config_sections": {"output": {"verbose": False}}}
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
-                            train_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
-                            wandb_config=quiet)
-    assert not any(isinstance(cb, (ProgressCallback, TeamProgressCallback)) for cb in trainer.callback_handler.callbacks)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        formatters=formatters,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MAGRPOConfig(num_agents=2, **_fast(tmp_path)),
+        wandb_config=quiet,
+    )
+    assert not any(
+        isinstance(cb, (ProgressCallback, TeamProgressCallback)) for cb in trainer.callback_handler.callbacks
+    )
 
 
 def test_custom_metrics(qwen_path, tmp_path):
@@ -242,11 +271,27 @@ def test_custom_metrics(qwen_path, tmp_path):
         seen.append(kwargs)
         return eval_logger(**kwargs)
 
-    config = MAGRPOConfig(num_agents=2, num_turns=1, num_train_epochs=1, num_generations=4, eval_interval=1,
-                          eval_num_samples=len(eval_dataset), logging_steps=4, **_fast(tmp_path))
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=reward_func,
-                            train_dataset=train_dataset.select(range(2)), eval_dataset=eval_dataset, args=config,
-                            eval_logger=recording_logger, eval_aggregator=eval_aggregator)
+    config = MAGRPOConfig(
+        num_agents=2,
+        num_turns=1,
+        num_train_epochs=1,
+        num_generations=4,
+        eval_interval=1,
+        eval_num_samples=len(eval_dataset),
+        logging_steps=4,
+        **_fast(tmp_path),
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        formatters=formatters,
+        reward_func=reward_func,
+        train_dataset=train_dataset.select(range(2)),
+        eval_dataset=eval_dataset,
+        args=config,
+        eval_logger=recording_logger,
+        eval_aggregator=eval_aggregator,
+    )
     trainer.train()  # periodic evaluations (before items 0 and 1) log the custom metric too
     logged = [entry for entry in trainer.state.log_history if "eval/turn_1/reward_mean" in entry]
     assert len(logged) == 2 and all("eval/turn_1/response_chars" in entry for entry in logged)
@@ -262,9 +307,9 @@ def test_custom_metrics(qwen_path, tmp_path):
     assert len(completions) == 2 and all(len(agent) == len(eval_dataset) for agent in completions)
     assert all(len(turns) == 1 and isinstance(turns[0], str) for agent in completions for turns in agent)
     assert call["batch_items"] == [eval_dataset[i] for i in range(len(eval_dataset))]
-    expected = sum(
-        sum(len(agent[row][0]) for agent in completions) / 2 for row in range(len(eval_dataset))
-    ) / len(eval_dataset)
+    expected = sum(sum(len(agent[row][0]) for agent in completions) / 2 for row in range(len(eval_dataset))) / len(
+        eval_dataset
+    )
     assert metrics["eval/turn_1/response_chars"] == pytest.approx(expected)
 
 
@@ -303,10 +348,17 @@ def test_llm_reward_model_as_reward_func(qwen_path, tmp_path):
     assert len(scores) == 2 and all(isinstance(s, float) and math.isfinite(s) for s in scores)
 
     before = snapshot(reward_model)
-    config = MAGRPOConfig(num_agents=2, num_turns=1, num_generations=4, logging_steps=1, eval_interval=0,
-                          **_fast(tmp_path))
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, formatters=formatters, reward_func=model_reward,
-                            train_dataset=train_dataset.select(range(2)), args=config)
+    config = MAGRPOConfig(
+        num_agents=2, num_turns=1, num_generations=4, logging_steps=1, eval_interval=0, **_fast(tmp_path)
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        formatters=formatters,
+        reward_func=model_reward,
+        train_dataset=train_dataset.select(range(2)),
+        args=config,
+    )
     trainer.train()
     assert trainer.state.global_step > 0
     rewards = [entry["turn_1/reward_mean"] for entry in trainer.state.log_history if "turn_1/reward_mean" in entry]
@@ -348,8 +400,9 @@ def test_heterogeneous_agents_save_and_continue(qwen_path, llama_path, tmp_path)
         agents=[qwen_path, llama_path],
         reward_func=reward_func,
         train_dataset=small,
-        args=MAGRPOConfig(num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None,
-                          **_fast(tmp_path / "out-1")),
+        args=MAGRPOConfig(
+            num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **_fast(tmp_path / "out-1")
+        ),
     )
     # Tokenizers are loaded from the model paths; the two agents have different vocabularies.
     qwen_tok, llama_tok = trainer.tokenizers

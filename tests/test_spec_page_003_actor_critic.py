@@ -101,8 +101,13 @@ def test_shared_backbone_critics(qwen_path, llama_path, tmp_path):
 
 def test_continue_maac_and_restore_the_value_head(qwen_path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the page uses paths relative to the working directory
-    first = MAACTrainer(agent_model=qwen_path, critic_model=qwen_path, reward_func=reward_func,
-                        train_dataset=train_dataset, args=MAACConfig(num_agents=2, num_turns=1, **_fast(tmp_path)))
+    first = MAACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MAACConfig(num_agents=2, num_turns=1, **_fast(tmp_path)),
+    )
     first.train()
     first.save_model("./saved-models/maac-run-1")
 
@@ -115,8 +120,14 @@ def test_continue_maac_and_restore_the_value_head(qwen_path, tmp_path, monkeypat
         critic_model=str(saved_dir / "critic"),
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=MAACConfig(num_agents=2, num_turns=1, num_train_epochs=3, max_new_tokens=8,
-                        output_dir=str(tmp_path / "continued"), gradient_checkpointing=False),
+        args=MAACConfig(
+            num_agents=2,
+            num_turns=1,
+            num_train_epochs=3,
+            max_new_tokens=8,
+            output_dir=str(tmp_path / "continued"),
+            gradient_checkpointing=False,
+        ),
     )
     continued_maac.critics[0].value_head.load_state_dict(
         torch.load(
@@ -136,18 +147,36 @@ def test_continue_maac_and_restore_the_value_head(qwen_path, tmp_path, monkeypat
 def test_continue_iac_and_restore_heads(qwen_path, tmp_path):
     for separate in (False, True):
         critic = {"critic_model": qwen_path} if separate else {}
-        first = IACTrainer(agent_model=qwen_path, reward_func=reward_func, train_dataset=train_dataset,
-                           args=IACConfig(use_separate_critic=separate, critic_value_head_hidden_dim=4,
-                                          value_head_hidden_dim=4, **_fast(tmp_path / "first")), **critic)
+        first = IACTrainer(
+            agent_model=qwen_path,
+            reward_func=reward_func,
+            train_dataset=train_dataset,
+            args=IACConfig(
+                use_separate_critic=separate,
+                critic_value_head_hidden_dim=4,
+                value_head_hidden_dim=4,
+                **_fast(tmp_path / "first"),
+            ),
+            **critic,
+        )
         first.train()
         saved_dir = tmp_path / f"iac-{separate}"
         first.save_model(str(saved_dir))
         actor_dirs = [str(saved_dir / f"agent_{i}") for i in range(2)]
         critic = {"critics": [str(saved_dir / f"agent_{i}" / "critic") for i in range(2)]} if separate else {}
-        continued_iac = IACTrainer(agents=actor_dirs, tokenizer=[AutoTokenizer.from_pretrained(p) for p in actor_dirs],
-                                   reward_func=reward_func, train_dataset=train_dataset,
-                                   args=IACConfig(use_separate_critic=separate, critic_value_head_hidden_dim=4,
-                                                  value_head_hidden_dim=4, **_fast(tmp_path / "next")), **critic)
+        continued_iac = IACTrainer(
+            agents=actor_dirs,
+            tokenizer=[AutoTokenizer.from_pretrained(p) for p in actor_dirs],
+            reward_func=reward_func,
+            train_dataset=train_dataset,
+            args=IACConfig(
+                use_separate_critic=separate,
+                critic_value_head_hidden_dim=4,
+                value_head_hidden_dim=4,
+                **_fast(tmp_path / "next"),
+            ),
+            **critic,
+        )
         for i in range(2):
             if separate:
                 head = continued_iac.critics[i].value_head

@@ -21,18 +21,23 @@ from comlrl_trl.utils import read_checkpoint_metadata
 
 
 def _fast(tmp_dir, **overrides):
-    return dict(max_new_tokens=8, output_dir=str(tmp_dir), report_to="none", gradient_checkpointing=False,
-                **overrides)
+    return dict(max_new_tokens=8, output_dir=str(tmp_dir), report_to="none", gradient_checkpointing=False, **overrides)
 
 
 # ===== Page 002's task set and rule-based reward, which the page refers to =====
 
-tasks = Dataset.from_dict({
-    "prompt": ["Describe a city in the clouds.", "Invent a new holiday.", "Write a bedtime story for a dragon.",
-               "Explain how teleportation might work."],
-    "target_min": [2.0] * 4,
-    "target_max": [3.0] * 4,
-})
+tasks = Dataset.from_dict(
+    {
+        "prompt": [
+            "Describe a city in the clouds.",
+            "Invent a new holiday.",
+            "Write a bedtime story for a dragon.",
+            "Explain how teleportation might work.",
+        ],
+        "target_min": [2.0] * 4,
+        "target_max": [3.0] * 4,
+    }
+)
 train_dataset = tasks.select(range(2))
 
 
@@ -91,11 +96,17 @@ def test_marlhf_snippet_learns_a_reward_model_then_trains_the_agents(marlhf, lla
 
 
 def test_reward_model_name_defaults_to_the_actors_and_the_documented_device_is_accepted(qwen_path, tmp_path):
-    trainer = MARLHFTrainer(agent_model=qwen_path, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                            args=MARLHFConfig(num_agents=2, num_turns=1, **_fast(tmp_path)))
+    trainer = MARLHFTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=reward_func,
+        train_dataset=train_dataset,
+        args=MARLHFConfig(num_agents=2, num_turns=1, **_fast(tmp_path)),
+    )
     assert trainer.reward_model_name == qwen_path
-    config = MARLHFConfig(num_agents=2, num_turns=1, reward_model_name=qwen_path, reward_model_device="cuda:1",
-                          **_fast(tmp_path))
+    config = MARLHFConfig(
+        num_agents=2, num_turns=1, reward_model_name=qwen_path, reward_model_device="cuda:1", **_fast(tmp_path)
+    )
     assert config.reward_model_device == "cuda:1"  # used when the reward model scores; this machine has no GPU
 
 
@@ -110,8 +121,9 @@ def test_continuing_from_saved_actors_collects_preferences_anew(marlhf, tmp_path
         num_agents=2,
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=MARLHFConfig(num_agents=2, num_turns=1, num_train_epochs=1, preference_num_candidates=8,
-                          **_fast(tmp_path / "out-2")),
+        args=MARLHFConfig(
+            num_agents=2, num_turns=1, num_train_epochs=1, preference_num_candidates=8, **_fast(tmp_path / "out-2")
+        ),
     )
     for saved, reloaded in zip(trainer.agents, continued.agents):
         assert all(torch.equal(p, q) for p, q in zip(saved.parameters(), reloaded.parameters()))
@@ -128,10 +140,15 @@ def test_checkpoint_snippet(qwen_path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the snippet's relative paths
 
     def make():
-        return MARLHFTrainer(agent_model=qwen_path, num_agents=2, reward_func=reward_func,
-                             train_dataset=train_dataset,
-                             args=MARLHFConfig(num_agents=2, num_turns=1, num_train_epochs=1,
-                                               preference_num_candidates=8, **_fast(tmp_path / "out")))
+        return MARLHFTrainer(
+            agent_model=qwen_path,
+            num_agents=2,
+            reward_func=reward_func,
+            train_dataset=train_dataset,
+            args=MARLHFConfig(
+                num_agents=2, num_turns=1, num_train_epochs=1, preference_num_candidates=8, **_fast(tmp_path / "out")
+            ),
+        )
 
     trainer = make()
     # Save a checkpoint at each completed training boundary.

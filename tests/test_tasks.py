@@ -51,7 +51,10 @@ def test_length_ratio_reward_matches_the_documentation():
     assert reward(["ab"], ["ab"], batch_items=[item]) == [pytest.approx(math.exp(-1.0))]  # ratio 1: 1 below 2
     assert reward(["a"], ["abcde"], batch_items=[item]) == [pytest.approx(math.exp(-2.0))]  # ratio 5: 2 above 3
     assert reward(["ab", "ab", "ab"], ["abcd", "abcdef", "abcdefg"], batch_items=[item]) == [
-        1.0, 1.0, pytest.approx(math.exp(-0.5))]  # both bounds are inclusive
+        1.0,
+        1.0,
+        pytest.approx(math.exp(-0.5)),
+    ]  # both bounds are inclusive
 
 
 def test_length_ratio_reward_reads_the_item_bounds():
@@ -104,8 +107,13 @@ def test_summarize_reward_orders_good_above_bad():
     item = _honeybee_item()
     rewards = summarize.reward(
         [HONEYBEE_TLDR, "I like turtles a lot.", HONEYBEE_TLDR, HONEYBEE_TLDR, item["prompt"]],
-        [HONEYBEE_SUMMARY, "Turtles are slow animals that can live for a very long time in ponds.", HONEYBEE_TLDR,
-         HONEYBEE_SUMMARY + " " + HONEYBEE_SUMMARY + " " + HONEYBEE_SUMMARY, item["prompt"]],
+        [
+            HONEYBEE_SUMMARY,
+            "Turtles are slow animals that can live for a very long time in ponds.",
+            HONEYBEE_TLDR,
+            HONEYBEE_SUMMARY + " " + HONEYBEE_SUMMARY + " " + HONEYBEE_SUMMARY,
+            item["prompt"],
+        ],
         batch_items=[item],
     )
     good, off_topic, same_length, too_long, copied = rewards
@@ -121,11 +129,14 @@ def test_summarize_reward_components():
     assert summarize.reward(["", HONEYBEE_TLDR], [HONEYBEE_SUMMARY, "  "], batch_items=[item]) == [0.0, 0.0]
     # Off-topic text with a ratio in [1.5, 4] earns exactly the structure share, 0.4.
     assert summarize.reward(["one two three"], ["one two three four five six"], batch_items=[item]) == [
-        pytest.approx(0.4)]
+        pytest.approx(0.4)
+    ]
     assert summarize.reward(["one two three"], ["one two three"], batch_items=[item]) == [
-        pytest.approx(0.4 * math.exp(-0.5))]  # ratio 1: 0.5 below 1.5
+        pytest.approx(0.4 * math.exp(-0.5))
+    ]  # ratio 1: 0.5 below 1.5
     assert summarize.reward(["one two three"], ["one two three"], batch_items=[{**item, "ratio_min": 1.0}]) == [
-        pytest.approx(0.4)]  # an item's bounds override the defaults
+        pytest.approx(0.4)
+    ]  # an item's bounds override the defaults
     # A verbatim span of the paragraph costs the fraction of 8-grams it copies.
     span = "she returns to the hive and performs a waggle dance"  # 10 words: 3 copied 8-grams
     clean = summarize.reward([HONEYBEE_TLDR], [HONEYBEE_SUMMARY], batch_items=[item])[0]
@@ -194,11 +205,13 @@ def test_demo_model_converts_once_and_answers(tmp_path, capfd):
 
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
 
     start = time.perf_counter()

@@ -27,11 +27,24 @@ _SELF_ATTRIBUTE = re.compile(r"self\.(_[a-z][a-z0-9_]*)\s*=")
 
 def _foreign_private_names() -> set[str]:
     names = set()
-    for cls in (GRPOTrainer, RewardTrainer, Trainer, accelerate.Accelerator, AcceleratorState, PartialState,
-                PreTrainedModel, PretrainedConfig):
+    for cls in (
+        GRPOTrainer,
+        RewardTrainer,
+        Trainer,
+        accelerate.Accelerator,
+        AcceleratorState,
+        PartialState,
+        PreTrainedModel,
+        PretrainedConfig,
+    ):
         names.update(name for name in dir(cls) if name.startswith("_") and not name.startswith("__"))
-    for module in (trl.trainer.grpo_trainer, trl.trainer.reward_trainer, trl.trainer.base_trainer,
-                   transformers.trainer, accelerate.accelerator):
+    for module in (
+        trl.trainer.grpo_trainer,
+        trl.trainer.reward_trainer,
+        trl.trainer.base_trainer,
+        transformers.trainer,
+        accelerate.accelerator,
+    ):
         names.update(_SELF_ATTRIBUTE.findall(inspect.getsource(module)))
     return names - OWN_NAMES
 
@@ -48,7 +61,13 @@ def _uses(path: Path, names: set[str]) -> set[str]:
 
 def test_private_library_names_stay_in_the_adapters_and_loading():
     names = _foreign_private_names()
-    assert {"_generate", "_prepare_inputs", "_metrics", "_buffered_inputs", "_save_rng_state"} <= names  # the scan works
+    assert {
+        "_generate",
+        "_prepare_inputs",
+        "_metrics",
+        "_buffered_inputs",
+        "_save_rng_state",
+    } <= names  # the scan works
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
@@ -63,5 +82,7 @@ def test_private_library_names_stay_in_the_adapters_and_loading():
 def test_the_adapters_do_use_them():
     """The allowed files are where the scan finds them: a scan that found nothing anywhere would pass vacuously."""
     names = _foreign_private_names()
-    assert {"_generate", "_calculate_rewards", "_compute_loss", "_prepare_inputs"} <= _uses(PACKAGE / "adapters" / "grpo.py", names)
+    assert {"_generate", "_calculate_rewards", "_compute_loss", "_prepare_inputs"} <= _uses(
+        PACKAGE / "adapters" / "grpo.py", names
+    )
     assert {"_prepare_dataset", "_build_accelerator_args"} <= _uses(PACKAGE / "adapters" / "reward.py", names)

@@ -37,27 +37,30 @@ def test_generate_returns_the_rollout_fields_in_order():
     assert _returned_names(GRPOTrainer._generate) == [list(Rollout._fields)]
 
 
-@pytest.mark.parametrize(("method", "parameters"), [
-    (GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
-    (GRPOTrainer._calculate_rewards, ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
-    (GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
-    (GRPOTrainer._prepare_inputs, ["self", "generation_batch"]),
-    (GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
-    (Trainer._save_rng_state, ["self", "output_dir"]),
-    (Trainer._load_rng_state, ["self", "checkpoint"]),
-    (Trainer._save_optimizer_and_scheduler, ["self", "output_dir"]),
-    (Trainer._load_optimizer_and_scheduler, ["self", "checkpoint"]),
-    (Trainer._save_scaler, ["self", "output_dir"]),
-    (Trainer._load_scaler, ["self", "checkpoint"]),
-    (Trainer._load_from_checkpoint, ["self", "resume_from_checkpoint", "model"]),
-    (Trainer._prepare_for_training, ["self", "max_steps", "train_dataloader", "resume_from_checkpoint"]),
-    (Trainer._clip_grad_norm, ["self", "model"]),
-    (Trainer._get_output_dir, ["self", "trial"]),
-    (Trainer._save_checkpoint, ["self", "model", "trial"]),
-    (RewardTrainer._prepare_dataset, ["self", "dataset", "processing_class", "args", "dataset_name"]),
-])
+@pytest.mark.parametrize(
+    ("method", "parameters"),
+    [
+        (GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
+        (GRPOTrainer._calculate_rewards, ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
+        (GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
+        (GRPOTrainer._prepare_inputs, ["self", "generation_batch"]),
+        (GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
+        (Trainer._save_rng_state, ["self", "output_dir"]),
+        (Trainer._load_rng_state, ["self", "checkpoint"]),
+        (Trainer._save_optimizer_and_scheduler, ["self", "output_dir"]),
+        (Trainer._load_optimizer_and_scheduler, ["self", "checkpoint"]),
+        (Trainer._save_scaler, ["self", "output_dir"]),
+        (Trainer._load_scaler, ["self", "checkpoint"]),
+        (Trainer._load_from_checkpoint, ["self", "resume_from_checkpoint", "model"]),
+        (Trainer._prepare_for_training, ["self", "max_steps", "train_dataloader", "resume_from_checkpoint"]),
+        (Trainer._clip_grad_norm, ["self", "model"]),
+        (Trainer._get_output_dir, ["self", "trial"]),
+        (Trainer._save_checkpoint, ["self", "model", "trial"]),
+        (RewardTrainer._prepare_dataset, ["self", "dataset", "processing_class", "args", "dataset_name"]),
+    ],
+)
 def test_private_hook_signatures(method, parameters):
-    assert _parameters(method)[:len(parameters)] == parameters
+    assert _parameters(method)[: len(parameters)] == parameters
 
 
 def test_scoring_calls_generate_and_the_reward_hook_once():
@@ -83,14 +86,19 @@ def test_shuffle_reads_the_row_count_from_the_first_value():
 def test_a_real_agent_scores_a_handed_in_rollout(qwen_path, make_config):
     """The whole seam on a tiny model: generate, score with given rewards, fill and read back the micro-batches,
     TRL's step counter and metric store."""
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=1, reward_func=lambda c: [1.0] * len(c),
-                            train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 2),
-                            args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2,
-                                             max_new_tokens=4))
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=lambda c: [1.0] * len(c),
+        train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 2),
+        args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2, max_new_tokens=4),
+    )
     trainer.model.train()
     rollout = trainer.generate(["Say:"] * 2)
     assert isinstance(rollout, Rollout) and len(rollout.completion_ids) == 2
-    assert all(len(ids) <= 4 for ids in rollout.completion_ids) and all(isinstance(c, str) for c in rollout.completions)
+    assert all(len(ids) <= 4 for ids in rollout.completion_ids) and all(
+        isinstance(c, str) for c in rollout.completions
+    )
     batch = trainer.score([{"prompt": "Say:"}] * 2, rollout, torch.tensor([0.0, 1.0]))
     assert "advantages" not in batch
     assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch"} <= set(batch)

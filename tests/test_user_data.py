@@ -61,13 +61,15 @@ def test_local_files_load_as_a_train_split(tmp_path, suffix):
 
 def test_save_to_disk_directory_with_both_splits(tmp_path):
     DatasetDict({"train": Dataset.from_list(ROWS[:3]), "validation": Dataset.from_list(ROWS[3:])}).save_to_disk(
-        str(tmp_path / "saved"))
+        str(tmp_path / "saved")
+    )
     args = user_data.DataArguments(dataset_name=str(tmp_path / "saved"), dataset_test_split="validation")
     train, test = user_data.load_user_splits(args)
     assert (len(train), len(test)) == (3, 1) and test[0]["answer"] == "colour 3"
     with pytest.raises(ValueError, match="'training' is not a split.*'train', 'validation'"):
-        user_data.load_user_splits(user_data.DataArguments(dataset_name=str(tmp_path / "saved"),
-                                                           dataset_train_split="training"))
+        user_data.load_user_splits(
+            user_data.DataArguments(dataset_name=str(tmp_path / "saved"), dataset_train_split="training")
+        )
 
 
 def test_directory_of_data_files(tmp_path):
@@ -99,8 +101,11 @@ def test_task_pieces_from_user_data(tmp_path, reward_module):
     assert [f(ROWS[1]) for f in pieces.formatters] == ["Question 1: name a colour."] * 2
     assert pieces.transition is None and pieces.eval_logger is None
     with pytest.raises(ValueError, match="--prompt_column 'text' is not a column.*'question'"):
-        user_data.load_task("length_ratio", user_data.DataArguments(dataset_name=str(path), prompt_column="text",
-                                                                    reward_func="my_rewards:score"), 2)
+        user_data.load_task(
+            "length_ratio",
+            user_data.DataArguments(dataset_name=str(path), prompt_column="text", reward_func="my_rewards:score"),
+            2,
+        )
     with pytest.raises(ValueError, match="--reward_func needs --dataset_name"):
         user_data.load_task("length_ratio", user_data.DataArguments(reward_func="my_rewards:score"), 2)
 
@@ -115,11 +120,32 @@ def _magrpo_recipe():
 def test_magrpo_recipe_trains_on_a_jsonl_file_with_a_reward_module(tmp_path, reward_module, qwen_path):
     path = _write(ROWS, tmp_path / "data.jsonl")
     recipe = _magrpo_recipe()
-    args = recipe.make_parser().parse_args_and_config(args=[
-        "--dataset_name", str(path), "--prompt_column", "question", "--reward_func", "my_rewards:score",
-        "--model_name_or_path", qwen_path, "--max_steps", "2", "--max_new_tokens", "6", "--output_dir",
-        str(tmp_path / "out"), "--plot", "false", "--num_generations", "2", "--logging_steps", "1",
-        "--per_device_train_batch_size", "2"])  # one item per step
+    args = recipe.make_parser().parse_args_and_config(
+        args=[
+            "--dataset_name",
+            str(path),
+            "--prompt_column",
+            "question",
+            "--reward_func",
+            "my_rewards:score",
+            "--model_name_or_path",
+            qwen_path,
+            "--max_steps",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--plot",
+            "false",
+            "--num_generations",
+            "2",
+            "--logging_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "2",
+        ]
+    )  # one item per step
     summary = recipe.main(*args)
     calls = sys.modules["my_rewards"].CALLS
     assert summary["env_steps"] == 2 * 2 and summary["dataset"] == str(path)
@@ -133,8 +159,27 @@ def test_actor_critic_recipe_trains_on_a_csv_file(tmp_path, reward_module, qwen_
     spec = importlib.util.spec_from_file_location("actor_critic_recipe", ROOT / "recipes" / "actor_critic.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    argv = ["--dataset_name", str(path), "--prompt_column", "question", "--reward_func", f"{reward_module}:score",
-            "--model_name_or_path", qwen_path, "--max_steps", "1", "--max_new_tokens", "6", "--output_dir",
-            str(tmp_path / "out"), "--plot", "false", "--use_peft", "false", "--use_separate_critic", "false"]
+    argv = [
+        "--dataset_name",
+        str(path),
+        "--prompt_column",
+        "question",
+        "--reward_func",
+        f"{reward_module}:score",
+        "--model_name_or_path",
+        qwen_path,
+        "--max_steps",
+        "1",
+        "--max_new_tokens",
+        "6",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--plot",
+        "false",
+        "--use_peft",
+        "false",
+        "--use_separate_critic",
+        "false",
+    ]
     summary = recipe.main(*recipe.make_parser("iac").parse_args_and_config(args=argv))
     assert summary["env_steps"] == 4 and summary["reward_func"].endswith("my_rewards.py:score")

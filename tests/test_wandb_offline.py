@@ -92,8 +92,9 @@ def _history_rows(records):
     rows = []
     for record in records:
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows
 
 
@@ -118,8 +119,12 @@ def offline_wandb(monkeypatch, tmp_path):
     base = tmp_path / "wandb-env"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for name, sub in (("WANDB_DIR", "dir"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                      ("WANDB_DATA_DIR", "data")):
+    for name, sub in (
+        ("WANDB_DIR", "dir"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+    ):
         (base / sub).mkdir(parents=True)
         monkeypatch.setenv(name, str(base / sub))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -150,8 +155,15 @@ def test_offline_run_records_metrics_identity_and_config(offline_wandb, qwen_pat
         "dir": str(tmp_path / "wb"),
         "config_sections": {"dataset": {"name": "len"}, "output": {"verbose": False}},
     }
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
-                            train_dataset=train, eval_dataset=eval_, args=config, wandb_config=wandb_config)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=length_ratio_reward,
+        train_dataset=train,
+        eval_dataset=eval_,
+        args=config,
+        wandb_config=wandb_config,
+    )
     trainer.train()
     metrics = trainer.evaluate()
     assert wandb.run is not None and wandb.run.offline
@@ -160,8 +172,15 @@ def test_offline_run_records_metrics_identity_and_config(offline_wandb, qwen_pat
     # metrics
     rows = _history_rows(records)
     logged = set().union(*rows)
-    for key in ("turn_1/reward_mean", "turn_1/expected_return", "env_step", "agent_0/loss", "agent_1/loss",
-                "eval/turn_1/reward_mean", "eval/turn_1/expected_return"):
+    for key in (
+        "turn_1/reward_mean",
+        "turn_1/expected_return",
+        "env_step",
+        "agent_0/loss",
+        "agent_1/loss",
+        "eval/turn_1/reward_mean",
+        "eval/turn_1/expected_return",
+    ):
         assert key in logged, f"{key} was not logged; logged keys: {sorted(logged)}"
     for row in rows:
         for key, value in row.items():
@@ -201,10 +220,23 @@ def test_no_wandb_config_creates_no_run(offline_wandb, qwen_path, prompts_datase
     wandb.finish()
     assert wandb.run is None
     # The library defaults (report_to included): W&B is on only through wandb_config.
-    config = MAGRPOConfig(output_dir=str(tmp_path / "out"), num_agents=2, num_generations=2, max_new_tokens=8,
-                          gradient_checkpointing=False, eval_interval=0, logging_steps=1)
-    trainer = MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
-                            train_dataset=prompts_dataset.select(range(2)), args=config, wandb_config=None)
+    config = MAGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        num_agents=2,
+        num_generations=2,
+        max_new_tokens=8,
+        gradient_checkpointing=False,
+        eval_interval=0,
+        logging_steps=1,
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=length_ratio_reward,
+        train_dataset=prompts_dataset.select(range(2)),
+        args=config,
+        wandb_config=None,
+    )
     trainer.train()
     assert wandb.run is None
     assert not glob.glob(str(tmp_path / "**" / "*.wandb"), recursive=True)
@@ -212,9 +244,14 @@ def test_no_wandb_config_creates_no_run(offline_wandb, qwen_path, prompts_datase
 
 def test_unknown_wandb_config_key_fails_at_construction(qwen_path, prompts_dataset, make_config):
     with pytest.raises(ValueError, match="projcet"):
-        MAGRPOTrainer(agent_model=qwen_path, num_agents=2, reward_func=length_ratio_reward,
-                      train_dataset=prompts_dataset, args=make_config(),
-                      wandb_config={"projcet": "typo", "name": "run-x"})
+        MAGRPOTrainer(
+            agent_model=qwen_path,
+            num_agents=2,
+            reward_func=length_ratio_reward,
+            train_dataset=prompts_dataset,
+            args=make_config(),
+            wandb_config={"projcet": "typo", "name": "run-x"},
+        )
 
 
 def _run_records(tmp_path):
@@ -233,12 +270,18 @@ def test_each_trainer_gets_its_own_run(offline_wandb, qwen_path, make_config):
     tmp_path = offline_wandb
     train, _ = _datasets(2)
     for name in ("run-1", "run-2"):
-        trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
-                                args=make_config(num_generations=2),
-                                wandb_config={"project": "p", "name": name, "dir": str(tmp_path / "wb")})
+        trainer = MAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=length_ratio_reward,
+            train_dataset=train,
+            args=make_config(num_generations=2),
+            wandb_config={"project": "p", "name": name, "dir": str(tmp_path / "wb")},
+        )
         trainer.train()
-    names = sorted(next(r.run for r in records if r.WhichOneof("record_type") == "run").display_name
-                   for records in _run_records(tmp_path))
+    names = sorted(
+        next(r.run for r in records if r.WhichOneof("record_type") == "run").display_name
+        for records in _run_records(tmp_path)
+    )
     assert names == ["run-1", "run-2"]
 
 
@@ -248,8 +291,13 @@ def test_checkpoint_keeps_the_run_identity_for_resume(offline_wandb, qwen_path, 
     tmp_path = offline_wandb
     train, _ = _datasets(2)
     wandb_config = {"project": "p", "name": "resumable", "dir": str(tmp_path / "wb")}
-    first = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
-                          args=make_config(num_generations=2), wandb_config=wandb_config)
+    first = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=train,
+        args=make_config(num_generations=2),
+        wandb_config=wandb_config,
+    )
     first.train(checkpoint_dir=tmp_path / "ckpt")
     run_id = wandb.run.id
     wandb.finish()
@@ -259,7 +307,12 @@ def test_checkpoint_keeps_the_run_identity_for_resume(offline_wandb, qwen_path, 
     assert identity == {"id": run_id, "project": "p"}
     if identity and "id" not in wandb_config and "resume" not in wandb_config:
         wandb_config = {**wandb_config, **identity, "resume": "allow"}
-    resumed = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=train,
-                            args=make_config(num_generations=2, num_train_epochs=2), wandb_config=wandb_config)
+    resumed = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=train,
+        args=make_config(num_generations=2, num_train_epochs=2),
+        wandb_config=wandb_config,
+    )
     resumed.train(resume_from_checkpoint=checkpoint, checkpoint_dir=tmp_path / "ckpt")
     assert wandb.run.id == run_id

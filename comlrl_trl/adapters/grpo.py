@@ -171,22 +171,30 @@ class AgentGRPOTrainer(GRPOTrainer):
         if limit is None or max(lengths, default=0) <= limit:
             return prompt_ids, images, multimodal_fields
         if images is not None or multimodal_fields:
-            raise ValueError(f"A prompt of agent {self.agent_index} has {max(lengths)} tokens, above "
-                             f"max_prompt_length={limit}, and holds images, which cannot be truncated; shorten it or "
-                             "raise max_prompt_length.")
+            raise ValueError(
+                f"A prompt of agent {self.agent_index} has {max(lengths)} tokens, above "
+                f"max_prompt_length={limit}, and holds images, which cannot be truncated; shorten it or "
+                "raise max_prompt_length."
+            )
         if not self._warned_truncation:
             self._warned_truncation = True
             logger.warning(
                 "Agent %d: %d of %d prompts are longer than max_prompt_length=%d tokens (the longest has %d) and are "
                 "truncated from the left. Shorten the prompts, or raise max_prompt_length (None: no limit). This "
                 "warning is shown once per agent.",
-                self.agent_index, sum(n > limit for n in lengths), len(lengths), limit, max(lengths))
+                self.agent_index,
+                sum(n > limit for n in lengths),
+                len(lengths),
+                limit,
+                max(lengths),
+            )
         return [ids[-limit:] for ids in prompt_ids], images, multimodal_fields
 
     def per_token_logps(self, model, input_ids, attention_mask, logits_to_keep: int, batch_size: int) -> torch.Tensor:
         """TRL's per-token log-probabilities of the last `logits_to_keep` tokens (temperature applied as in the loss)."""
-        logps, *_ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                            batch_size=batch_size)
+        logps, *_ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        )
         return logps
 
     # ----- micro-batches -----

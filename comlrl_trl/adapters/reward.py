@@ -59,8 +59,11 @@ class RewardTrainerAdapter(RewardTrainer):
         first = next(iter(dataset)) if "chosen" in columns else None
         if first is not None and "chosen_ids" not in columns and isinstance(first["chosen"], str):
             removed = [name for name in ("prompt", "chosen", "rejected") if name in columns]
-            dataset = dataset.map(lambda row: self.tokenize_row(row, processing_class, args), remove_columns=removed,
-                                  desc=f"Tokenizing {dataset_name} joint texts")
+            dataset = dataset.map(
+                lambda row: self.tokenize_row(row, processing_class, args),
+                remove_columns=removed,
+                desc=f"Tokenizing {dataset_name} joint texts",
+            )
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def _build_accelerator_args(self, **kwargs):

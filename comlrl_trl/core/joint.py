@@ -82,9 +82,7 @@ def completion_returns(
     """
     _check_sizes(num_agents, num_generations)
     if len(joint_returns) != len(indices):
-        raise ValueError(
-            f"joint_returns has {len(joint_returns)} entries but indices has {len(indices)}"
-        )
+        raise ValueError(f"joint_returns has {len(joint_returns)} entries but indices has {len(indices)}")
 
     # Running sums and counts per (agent, completion).
     sums = [[0.0] * num_generations for _ in range(num_agents)]

@@ -7,8 +7,16 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # The metrics worth a glance, in the order they are shown.
-_HEADLINE = ("turn_1/reward_mean", "turn_1/expected_return", "loss", "turn_1/reference_kl_mean", "critic/value_loss",
-             "preference/pairs", "reward_model/accuracy", "reward_model/loss")
+_HEADLINE = (
+    "turn_1/reward_mean",
+    "turn_1/expected_return",
+    "loss",
+    "turn_1/reference_kl_mean",
+    "critic/value_loss",
+    "preference/pairs",
+    "reward_model/accuracy",
+    "reward_model/loss",
+)
 
 
 class TeamProgressCallback(TrainerCallback):
@@ -24,8 +32,9 @@ class TeamProgressCallback(TrainerCallback):
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="training", unit="step",
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=state.max_steps, initial=state.global_step, desc="training", unit="step", dynamic_ncols=True
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -58,16 +67,22 @@ class TeamProgressCallback(TrainerCallback):
 def format_log_line(logs: dict, step: int) -> str | None:
     """`step 12 | env_step 48 | reward 0.812 | ...` for training logs, `eval | ...` for evaluation logs."""
     if any(key.startswith("eval/") for key in logs):
-        parts = [f"{key[len('eval/'):]} {value:.4g}" for key, value in logs.items()
-                 if key.startswith("eval/") and isinstance(value, (int, float))]
+        parts = [
+            f"{key[len('eval/') :]} {value:.4g}"
+            for key, value in logs.items()
+            if key.startswith("eval/") and isinstance(value, (int, float))
+        ]
         return f"eval at env_step {logs.get('env_step', '?')} | " + " | ".join(parts)
     if "env_step" not in logs:
         if "train_runtime" in logs:
             return f"done in {logs['train_runtime']:.1f} s"
         return None
     parts = [f"step {step}", f"env_step {logs['env_step']}"]
-    parts += [f"{key.replace('/reward_mean', ' reward').replace('/expected_return', ' return')} {logs[key]:.4g}"
-              for key in _HEADLINE if key in logs]
+    parts += [
+        f"{key.replace('/reward_mean', ' reward').replace('/expected_return', ' return')} {logs[key]:.4g}"
+        for key in _HEADLINE
+        if key in logs
+    ]
     turns = sorted({key.split("/")[0] for key in logs if key.startswith("turn_") and key != "turn_1"} - {"turn_1"})
     parts += [f"{turn} reward {logs[f'{turn}/reward_mean']:.4g}" for turn in turns if f"{turn}/reward_mean" in logs]
     return " | ".join(parts)

@@ -14,8 +14,20 @@ from transformers import TrainerCallback
 
 _RUNS_OPENED_HERE: set[str] = set()  # ids of the runs that a WandbRunCallback opened in this process
 
-WANDB_CONFIG_KEYS = ("project", "entity", "name", "run_name", "tags", "dir", "config_sections", "id", "resume",
-                     "group", "notes", "mode")
+WANDB_CONFIG_KEYS = (
+    "project",
+    "entity",
+    "name",
+    "run_name",
+    "tags",
+    "dir",
+    "config_sections",
+    "id",
+    "resume",
+    "group",
+    "notes",
+    "mode",
+)
 
 
 def validate_wandb_config(wandb_config: dict[str, Any] | None) -> None:
@@ -47,8 +59,11 @@ def verbose_from_wandb_config(wandb_config: dict[str, Any] | None) -> bool:
 
 def wandb_init_kwargs(wandb_config: dict[str, Any], run_config: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `wandb.init` for a `wandb_config` and the trainer's run configuration."""
-    kwargs = {key: wandb_config[key] for key in ("project", "entity", "tags", "dir", "id", "resume", "group", "notes",
-                                                 "mode") if wandb_config.get(key) is not None}
+    kwargs = {
+        key: wandb_config[key]
+        for key in ("project", "entity", "tags", "dir", "id", "resume", "group", "notes", "mode")
+        if wandb_config.get(key) is not None
+    }
     name = wandb_config.get("name", wandb_config.get("run_name"))
     if name is not None:
         kwargs["name"] = name

@@ -33,9 +33,15 @@ class RunCgroup:
             for parent in parents:
                 dirs.append(os.path.join(parent, name))
                 os.mkdir(dirs[-1])
-            limits = ({"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes,
-                       "pids.max": max_processes} if version == 1 else
-                      {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": max_processes})
+            limits = (
+                {
+                    "memory.limit_in_bytes": memory_bytes,
+                    "memory.memsw.limit_in_bytes": memory_bytes,
+                    "pids.max": max_processes,
+                }
+                if version == 1
+                else {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": max_processes}
+            )
             for path in dirs:
                 for key, value in limits.items():
                     if os.path.exists(os.path.join(path, key)):
@@ -103,8 +109,14 @@ def _layout() -> tuple[int, list[str]] | None:
 
 
 def _v1_dir(mounts, memberships, controller: str) -> str | None:
-    point = next((head.split()[4] for head, tail in mounts
-                  if tail.split()[0] == "cgroup" and controller in tail.split()[2].split(",")), None)
+    point = next(
+        (
+            head.split()[4]
+            for head, tail in mounts
+            if tail.split()[0] == "cgroup" and controller in tail.split()[2].split(",")
+        ),
+        None,
+    )
     path = next((rel for _, names, rel in memberships if controller in names.split(",")), None)
     return None if point is None or path is None else os.path.join(point, path.lstrip("/"))
 
@@ -126,9 +138,12 @@ def _read(directory: str, name: str) -> list[str]:
 def _warn_once(reason: str) -> None:
     if not _WARNED:
         _WARNED.append(reason)
-        warnings.warn(f"comlrl_trl sandbox: {reason}; memory is limited per process (RLIMIT_AS) and processes per "
-                      "run by RLIMIT_NPROC, so one run's process tree may use up to MAX_PROCESSES x memory_mb.",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"comlrl_trl sandbox: {reason}; memory is limited per process (RLIMIT_AS) and processes per "
+            "run by RLIMIT_NPROC, so one run's process tree may use up to MAX_PROCESSES x memory_mb.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 _WARNED: list[str] = []

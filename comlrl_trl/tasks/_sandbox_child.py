@@ -39,7 +39,16 @@ STDLIB = [path for path in sys.path if os.path.exists(path)]
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 DEVICES = ("null", "zero", "urandom", "random")
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or real directories
@@ -123,17 +132,26 @@ def build_root(root: str, uid: int, tmp_bytes: int, hidden: list[str]) -> None:
     os.mkdir(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.mkdir(root + "/tmp")
-    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-           f"mode=700,uid={uid},gid={uid},size={tmp_bytes}")
+    _mount(
+        "tmpfs",
+        root + "/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        f"mode=700,uid={uid},gid={uid},size={tmp_bytes}",
+    )
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(root)
     os.chdir("/tmp")
 
 
 def set_limits(config: dict, processes: bool) -> None:
-    limits = [(resource.RLIMIT_AS, config["memory_bytes"]), (resource.RLIMIT_CPU, config["cpu_seconds"]),
-              (resource.RLIMIT_FSIZE, config["file_bytes"]), (resource.RLIMIT_NOFILE, config["open_files"]),
-              (resource.RLIMIT_CORE, 0)]
+    limits = [
+        (resource.RLIMIT_AS, config["memory_bytes"]),
+        (resource.RLIMIT_CPU, config["cpu_seconds"]),
+        (resource.RLIMIT_FSIZE, config["file_bytes"]),
+        (resource.RLIMIT_NOFILE, config["open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
     if processes:  # counts the processes of the real uid: meaningful only after dropping to the run's own uid
         limits.append((resource.RLIMIT_NPROC, config["processes"]))
     for kind, value in limits:
@@ -159,8 +177,18 @@ def block_network() -> None:
         raise PermissionError("network access is disabled in the sandbox")
 
     for module in (socket, _socket):
-        for name in ("socket", "SocketType", "socketpair", "fromfd", "create_connection", "create_server",
-                     "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+        for name in (
+            "socket",
+            "SocketType",
+            "socketpair",
+            "fromfd",
+            "create_connection",
+            "create_server",
+            "getaddrinfo",
+            "gethostbyname",
+            "gethostbyname_ex",
+            "gethostbyaddr",
+        ):
             if hasattr(module, name):
                 setattr(module, name, no_network)
 

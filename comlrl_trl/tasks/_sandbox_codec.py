@@ -43,8 +43,10 @@ def encode(value, depth: int = 0) -> list:
         return [_SEQUENCES[kind], [encode(item, depth + 1) for item in value]]
     if kind is dict:
         return ["D", [[encode(key, depth + 1), encode(item, depth + 1)] for key, item in value.items()]]
-    raise TypeError(f"a {kind.__name__} cannot cross the sandbox boundary (only None, bool, int, float, str, "
-                    "bytes, and lists, tuples, dicts, sets and frozensets of them)")
+    raise TypeError(
+        f"a {kind.__name__} cannot cross the sandbox boundary (only None, bool, int, float, str, "
+        "bytes, and lists, tuples, dicts, sets and frozensets of them)"
+    )
 
 
 def decode(data):
@@ -126,4 +128,4 @@ def write_all(fd: int, data: bytes) -> None:
     """Blocking write of all of `data` (the child's side)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

@@ -57,76 +57,148 @@ MAX_REWARD = 1.0 + 2 * STRUCTURE_BONUS
 
 # (entry_point, prompt, helper_hint, tests)
 _PROBLEMS: list[tuple[str, str, str, list[str]]] = [
-    ("count_vowels",
-     "Write `count_vowels(s: str) -> int` that returns the number of vowels (a, e, i, o, u, in either case) in `s`.",
-     "`aux(ch: str) -> bool` returns True when the single character `ch` is a vowel (a, e, i, o, u, either case)",
-     ['assert count_vowels("hello") == 2', 'assert count_vowels("AEIOU xyz") == 5',
-      'assert count_vowels("rhythm") == 0', 'assert count_vowels("") == 0']),
-    ("reverse_words",
-     "Write `reverse_words(s: str) -> str` that returns the words of `s` (separated by any whitespace) in reverse "
-     "order, joined by single spaces.",
-     "`aux(s: str) -> list[str]` returns the words of `s`, split on any whitespace",
-     ['assert reverse_words("hello world") == "world hello"', 'assert reverse_words("  a  b c ") == "c b a"',
-      'assert reverse_words("one") == "one"', 'assert reverse_words("") == ""']),
-    ("is_palindrome",
-     "Write `is_palindrome(s: str) -> bool` that tells whether `s` reads the same backwards, ignoring case and every "
-     "character that is not a letter or a digit.",
-     "`aux(s: str) -> str` returns the letters and digits of `s`, lower-cased, in order",
-     ['assert is_palindrome("A man, a plan, a canal: Panama") == True', 'assert is_palindrome("race a car") == False',
-      'assert is_palindrome("") == True', "assert is_palindrome(\"No 'x' in Nixon\") == True"]),
-    ("sum_of_squares",
-     "Write `sum_of_squares(nums: list[int]) -> int` that returns the sum of the squares of the numbers in `nums`.",
-     "`aux(x: int) -> int` returns `x` squared",
-     ["assert sum_of_squares([1, 2, 3]) == 14", "assert sum_of_squares([]) == 0", "assert sum_of_squares([-4]) == 16",
-      "assert sum_of_squares([0, 5, -1]) == 26"]),
-    ("count_primes",
-     "Write `count_primes(n: int) -> int` that returns how many prime numbers are smaller than `n`.",
-     "`aux(k: int) -> bool` returns True when `k` is a prime number (False for k < 2)",
-     ["assert count_primes(10) == 4", "assert count_primes(2) == 0", "assert count_primes(3) == 1",
-      "assert count_primes(30) == 10"]),
-    ("gcd_list",
-     "Write `gcd_list(nums: list[int]) -> int` that returns the greatest common divisor of the positive integers in "
-     "the non-empty list `nums`.",
-     "`aux(a: int, b: int) -> int` returns the greatest common divisor of `a` and `b`",
-     ["assert gcd_list([12, 18, 24]) == 6", "assert gcd_list([7]) == 7", "assert gcd_list([10, 25]) == 5",
-      "assert gcd_list([8, 9]) == 1"]),
-    ("flatten",
-     "Write `flatten(items: list) -> list` that returns the elements of the arbitrarily nested list `items` that "
-     "are not lists themselves, in order.",
-     "`aux(x) -> bool` returns True when `x` is a list",
-     ["assert flatten([1, [2, [3, 4]], 5]) == [1, 2, 3, 4, 5]", "assert flatten([]) == []",
-      "assert flatten([[], [[]]]) == []", 'assert flatten(["a", ["b"]]) == ["a", "b"]']),
-    ("most_common_char",
-     "Write `most_common_char(s: str) -> str` that returns the character occurring most often in the non-empty "
-     "string `s`; on a tie, the one that occurs first in `s`.",
-     "`aux(s: str) -> dict[str, int]` maps every character of `s` to the number of times it occurs",
-     ['assert most_common_char("banana") == "a"', 'assert most_common_char("abc") == "a"',
-      'assert most_common_char("aabbb") == "b"', 'assert most_common_char("xyyx") == "x"']),
-    ("caesar_shift",
-     "Write `caesar_shift(s: str, k: int) -> str` that shifts every letter of `s` by `k` places in the alphabet, "
-     "wrapping around and keeping its case; other characters stay the same.",
-     "`aux(ch: str, k: int) -> str` shifts the single character `ch` by `k` letters (wrapping, keeping its case) "
-     "and returns any other character unchanged",
-     ['assert caesar_shift("abc", 1) == "bcd"', 'assert caesar_shift("xyz", 3) == "abc"',
-      'assert caesar_shift("Hello, World!", 13) == "Uryyb, Jbeyq!"', 'assert caesar_shift("abc", -1) == "zab"']),
-    ("digital_root",
-     "Write `digital_root(n: int) -> int` that repeatedly replaces the non-negative integer `n` by the sum of its "
-     "decimal digits until one digit remains, and returns that digit.",
-     "`aux(n: int) -> int` returns the sum of the decimal digits of `n`",
-     ["assert digital_root(16) == 7", "assert digital_root(942) == 6", "assert digital_root(0) == 0",
-      "assert digital_root(999999999999) == 9"]),
-    ("run_length_encode",
-     "Write `run_length_encode(s: str) -> str` that replaces every run of equal characters in `s` by the character "
-     'followed by the length of the run, e.g. "aaab" -> "a3b1".',
-     "`aux(s: str, i: int) -> int` returns the length of the run of equal characters that starts at index `i` of `s`",
-     ['assert run_length_encode("aaab") == "a3b1"', 'assert run_length_encode("") == ""',
-      'assert run_length_encode("abc") == "a1b1c1"', 'assert run_length_encode("zzzzzzzzzzzz") == "z12"']),
-    ("fizzbuzz",
-     'Write `fizzbuzz(n: int) -> list[str]` that returns the FizzBuzz words for 1..n: "FizzBuzz" for multiples of '
-     '15, "Fizz" for other multiples of 3, "Buzz" for other multiples of 5, else the number as a string.',
-     "`aux(i: int) -> str` returns the FizzBuzz word for the single number `i`",
-     ['assert fizzbuzz(5) == ["1", "2", "Fizz", "4", "Buzz"]', "assert fizzbuzz(0) == []",
-      'assert fizzbuzz(15)[-1] == "FizzBuzz"', 'assert fizzbuzz(15).count("Fizz") == 4']),
+    (
+        "count_vowels",
+        "Write `count_vowels(s: str) -> int` that returns the number of vowels (a, e, i, o, u, in either case) in `s`.",
+        "`aux(ch: str) -> bool` returns True when the single character `ch` is a vowel (a, e, i, o, u, either case)",
+        [
+            'assert count_vowels("hello") == 2',
+            'assert count_vowels("AEIOU xyz") == 5',
+            'assert count_vowels("rhythm") == 0',
+            'assert count_vowels("") == 0',
+        ],
+    ),
+    (
+        "reverse_words",
+        "Write `reverse_words(s: str) -> str` that returns the words of `s` (separated by any whitespace) in reverse "
+        "order, joined by single spaces.",
+        "`aux(s: str) -> list[str]` returns the words of `s`, split on any whitespace",
+        [
+            'assert reverse_words("hello world") == "world hello"',
+            'assert reverse_words("  a  b c ") == "c b a"',
+            'assert reverse_words("one") == "one"',
+            'assert reverse_words("") == ""',
+        ],
+    ),
+    (
+        "is_palindrome",
+        "Write `is_palindrome(s: str) -> bool` that tells whether `s` reads the same backwards, ignoring case and every "
+        "character that is not a letter or a digit.",
+        "`aux(s: str) -> str` returns the letters and digits of `s`, lower-cased, in order",
+        [
+            'assert is_palindrome("A man, a plan, a canal: Panama") == True',
+            'assert is_palindrome("race a car") == False',
+            'assert is_palindrome("") == True',
+            "assert is_palindrome(\"No 'x' in Nixon\") == True",
+        ],
+    ),
+    (
+        "sum_of_squares",
+        "Write `sum_of_squares(nums: list[int]) -> int` that returns the sum of the squares of the numbers in `nums`.",
+        "`aux(x: int) -> int` returns `x` squared",
+        [
+            "assert sum_of_squares([1, 2, 3]) == 14",
+            "assert sum_of_squares([]) == 0",
+            "assert sum_of_squares([-4]) == 16",
+            "assert sum_of_squares([0, 5, -1]) == 26",
+        ],
+    ),
+    (
+        "count_primes",
+        "Write `count_primes(n: int) -> int` that returns how many prime numbers are smaller than `n`.",
+        "`aux(k: int) -> bool` returns True when `k` is a prime number (False for k < 2)",
+        [
+            "assert count_primes(10) == 4",
+            "assert count_primes(2) == 0",
+            "assert count_primes(3) == 1",
+            "assert count_primes(30) == 10",
+        ],
+    ),
+    (
+        "gcd_list",
+        "Write `gcd_list(nums: list[int]) -> int` that returns the greatest common divisor of the positive integers in "
+        "the non-empty list `nums`.",
+        "`aux(a: int, b: int) -> int` returns the greatest common divisor of `a` and `b`",
+        [
+            "assert gcd_list([12, 18, 24]) == 6",
+            "assert gcd_list([7]) == 7",
+            "assert gcd_list([10, 25]) == 5",
+            "assert gcd_list([8, 9]) == 1",
+        ],
+    ),
+    (
+        "flatten",
+        "Write `flatten(items: list) -> list` that returns the elements of the arbitrarily nested list `items` that "
+        "are not lists themselves, in order.",
+        "`aux(x) -> bool` returns True when `x` is a list",
+        [
+            "assert flatten([1, [2, [3, 4]], 5]) == [1, 2, 3, 4, 5]",
+            "assert flatten([]) == []",
+            "assert flatten([[], [[]]]) == []",
+            'assert flatten(["a", ["b"]]) == ["a", "b"]',
+        ],
+    ),
+    (
+        "most_common_char",
+        "Write `most_common_char(s: str) -> str` that returns the character occurring most often in the non-empty "
+        "string `s`; on a tie, the one that occurs first in `s`.",
+        "`aux(s: str) -> dict[str, int]` maps every character of `s` to the number of times it occurs",
+        [
+            'assert most_common_char("banana") == "a"',
+            'assert most_common_char("abc") == "a"',
+            'assert most_common_char("aabbb") == "b"',
+            'assert most_common_char("xyyx") == "x"',
+        ],
+    ),
+    (
+        "caesar_shift",
+        "Write `caesar_shift(s: str, k: int) -> str` that shifts every letter of `s` by `k` places in the alphabet, "
+        "wrapping around and keeping its case; other characters stay the same.",
+        "`aux(ch: str, k: int) -> str` shifts the single character `ch` by `k` letters (wrapping, keeping its case) "
+        "and returns any other character unchanged",
+        [
+            'assert caesar_shift("abc", 1) == "bcd"',
+            'assert caesar_shift("xyz", 3) == "abc"',
+            'assert caesar_shift("Hello, World!", 13) == "Uryyb, Jbeyq!"',
+            'assert caesar_shift("abc", -1) == "zab"',
+        ],
+    ),
+    (
+        "digital_root",
+        "Write `digital_root(n: int) -> int` that repeatedly replaces the non-negative integer `n` by the sum of its "
+        "decimal digits until one digit remains, and returns that digit.",
+        "`aux(n: int) -> int` returns the sum of the decimal digits of `n`",
+        [
+            "assert digital_root(16) == 7",
+            "assert digital_root(942) == 6",
+            "assert digital_root(0) == 0",
+            "assert digital_root(999999999999) == 9",
+        ],
+    ),
+    (
+        "run_length_encode",
+        "Write `run_length_encode(s: str) -> str` that replaces every run of equal characters in `s` by the character "
+        'followed by the length of the run, e.g. "aaab" -> "a3b1".',
+        "`aux(s: str, i: int) -> int` returns the length of the run of equal characters that starts at index `i` of `s`",
+        [
+            'assert run_length_encode("aaab") == "a3b1"',
+            'assert run_length_encode("") == ""',
+            'assert run_length_encode("abc") == "a1b1c1"',
+            'assert run_length_encode("zzzzzzzzzzzz") == "z12"',
+        ],
+    ),
+    (
+        "fizzbuzz",
+        'Write `fizzbuzz(n: int) -> list[str]` that returns the FizzBuzz words for 1..n: "FizzBuzz" for multiples of '
+        '15, "Fizz" for other multiples of 3, "Buzz" for other multiples of 5, else the number as a string.',
+        "`aux(i: int) -> str` returns the FizzBuzz word for the single number `i`",
+        [
+            'assert fizzbuzz(5) == ["1", "2", "Fizz", "4", "Buzz"]',
+            "assert fizzbuzz(0) == []",
+            'assert fizzbuzz(15)[-1] == "FizzBuzz"',
+            'assert fizzbuzz(15).count("Fizz") == 4',
+        ],
+    ),
 ]
 
 
@@ -141,8 +213,13 @@ def build_dataset(split: str = "train") -> Dataset:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
     rows = [
-        {"task_id": entry_point, "prompt": prompt, "entry_point": entry_point, "helper_hint": hint,
-         "tests": list(tests)}
+        {
+            "task_id": entry_point,
+            "prompt": prompt,
+            "entry_point": entry_point,
+            "helper_hint": hint,
+            "tests": list(tests),
+        }
         for index, (entry_point, prompt, hint, tests) in enumerate(_PROBLEMS)
         if (index % 4 == 3) == (split == "eval")
     ]
@@ -154,17 +231,21 @@ def build_dataset(split: str = "train") -> Dataset:
 
 def helper_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
     """Agent 0's prompt: the problem and the helper to write; at later turns also the revision prompt."""
-    head = (f"You write the helper function of a two-agent Python team.\nProblem: {item['prompt']}\n"
-            f"Write only the helper: {item['helper_hint']}. Your teammate writes `{item['entry_point']}` and calls "
-            f"`{HELPER_NAME}`.")
+    head = (
+        f"You write the helper function of a two-agent Python team.\nProblem: {item['prompt']}\n"
+        f"Write only the helper: {item['helper_hint']}. Your teammate writes `{item['entry_point']}` and calls "
+        f"`{HELPER_NAME}`."
+    )
     return with_feedback(head, external_prompts)
 
 
 def main_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
     """Agent 1's prompt: the problem, the helper it may call; at later turns also the revision prompt."""
-    head = (f"You write the main function of a two-agent Python team.\nProblem: {item['prompt']}\n"
-            f"Your teammate writes the helper: {item['helper_hint']}. Write `{item['entry_point']}` and call "
-            f"`{HELPER_NAME}` instead of repeating its work; do not define `{HELPER_NAME}` yourself.")
+    head = (
+        f"You write the main function of a two-agent Python team.\nProblem: {item['prompt']}\n"
+        f"Your teammate writes the helper: {item['helper_hint']}. Write `{item['entry_point']}` and call "
+        f"`{HELPER_NAME}` instead of repeating its work; do not define `{HELPER_NAME}` yourself."
+    )
     return with_feedback(head, external_prompts)
 
 
@@ -188,41 +269,60 @@ def _run_cached(program: str, tests: tuple[str, ...]) -> SandboxResult:
     return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT)
 
 
-def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *,
-           batch_items: Sequence[dict[str, Any]]) -> list[float]:
+def reward(
+    helper_completions: Sequence[str], main_completions: Sequence[str], *, batch_items: Sequence[dict[str, Any]]
+) -> list[float]:
     """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
     item = batch_items[0]
-    return joint_rewards(helper_completions, main_completions, item["entry_point"],
-                         lambda helper, main: run_tests(helper, main, item["tests"]))
+    return joint_rewards(
+        helper_completions,
+        main_completions,
+        item["entry_point"],
+        lambda helper, main: run_tests(helper, main, item["tests"]),
+    )
 
 
 # ----- transition -----
 
 
-def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int,
-               prompt_history_per_agent: Sequence[Sequence[Any]], response_history_per_agent: Sequence[Sequence[str]],
-               batch_item: dict[str, Any]) -> list[str]:
+def transition(
+    *,
+    prompt: str,
+    agent_completions: Sequence[str],
+    num_agents: int,
+    prompt_history_per_agent: Sequence[Sequence[Any]],
+    response_history_per_agent: Sequence[Sequence[str]],
+    batch_item: dict[str, Any],
+) -> list[str]:
     """The next turn's revision prompts `[helper_prompt, main_prompt]` for one joint action.
 
     Each holds the test results of the joint program (the first failing tests, truncated), the agent's own code
     and the teammate's code, and asks for a revised function. `prompt` and `prompt_history_per_agent` are part of
     the transition contract but not needed here.
     """
-    return revision_prompts(agent_completions, num_agents, len(response_history_per_agent[0]), batch_item["entry_point"],
-                            lambda helper, main: run_tests(helper, main, batch_item["tests"]), "code-feedback")
+    return revision_prompts(
+        agent_completions,
+        num_agents,
+        len(response_history_per_agent[0]),
+        batch_item["entry_point"],
+        lambda helper, main: run_tests(helper, main, batch_item["tests"]),
+        "code-feedback",
+    )
 
 
 # ----- evaluation metrics -----
 
 
-def eval_logger(*, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]],
-                prompts: list[Any]) -> list[dict[str, float]]:
+def eval_logger(
+    *, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]], prompts: list[Any]
+) -> list[dict[str, float]]:
     """Per evaluation item and turn: `turn_k/pass_rate` (tests passed) and `turn_k/solved` (all passed)."""
     rows = []
     for i, item in enumerate(batch_items):
         row = {}
-        for turn, (helper_text, main_text) in enumerate(zip(agent_completions_turns[0][i],
-                                                            agent_completions_turns[1][i]), start=1):
+        for turn, (helper_text, main_text) in enumerate(
+            zip(agent_completions_turns[0][i], agent_completions_turns[1][i]), start=1
+        ):
             result = run_tests(extract_code(helper_text), extract_code(main_text), item["tests"])
             row[f"turn_{turn}/pass_rate"] = result.pass_rate
             row[f"turn_{turn}/solved"] = float(result.total > 0 and result.passed == result.total)

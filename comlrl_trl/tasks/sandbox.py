@@ -106,8 +106,9 @@ class _Crash(BaseException):
     """The child died or broke the protocol during a call."""
 
 
-def run_python(code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256,
-               setup: str = "") -> SandboxResult:
+def run_python(
+    code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256, setup: str = ""
+) -> SandboxResult:
     """Load `code` in an isolated child, then run each test in `tests` (Python statements) against it.
 
     Args:
@@ -184,8 +185,9 @@ def _namespace(session: "_Session", report: dict) -> dict[str, Any]:
     return namespace
 
 
-def _run_tests(tests: list[str], setup: str, namespace: dict, errors: list[str],
-               timeout: float) -> tuple[list[bool], bool]:
+def _run_tests(
+    tests: list[str], setup: str, namespace: dict, errors: list[str], timeout: float
+) -> tuple[list[bool], bool]:
     outcomes = [False] * len(tests)
     try:
         setup_error = _check(setup, namespace) if setup else None
@@ -213,8 +215,13 @@ def _check(test: str, namespace: dict) -> str | None:
     try:
         tree = ast.parse(test, mode="exec")
         node = tree.body[0] if len(tree.body) == 1 else None
-        if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
-                and isinstance(node.test.ops[0], ast.Eq) and node.msg is None):
+        if (
+            isinstance(node, ast.Assert)
+            and isinstance(node.test, ast.Compare)
+            and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)
+            and node.msg is None
+        ):
             got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), namespace)
             expected = eval(compile(ast.Expression(node.test.comparators[0]), "<test>", "eval"), namespace)
             if got == expected:
@@ -304,8 +311,11 @@ class _Session:
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         try:
-            request = {"call": name, "args": [codec.encode(value) for value in args],
-                       "kwargs": {key: codec.encode(value) for key, value in kwargs.items()}}
+            request = {
+                "call": name,
+                "args": [codec.encode(value) for value in args],
+                "kwargs": {key: codec.encode(value) for key, value in kwargs.items()},
+            }
         except (TypeError, ValueError) as error:
             raise TypeError(f"an argument of {name}() cannot be sent to the sandbox: {error}") from None
         if self.child is None:  # the previous child crashed: a fresh one for this call
@@ -335,11 +345,20 @@ class _Session:
         if not isolate and self.work is None:
             self.work = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
         work = "/" if isolate else self.work.name
-        return {"isolate": isolate, "uid": _run_uid(), "root": _mount_point(), "work": work,
-                "cgroups": self.cgroup.procs_files if self.cgroup is not None else [], "hidden": _package_dirs(),
-                "memory_bytes": int(self.memory_mb) << 20, "cpu_seconds": int(self.timeout) + 2,
-                "file_bytes": MAX_OUTPUT_BYTES, "open_files": MAX_OPEN_FILES, "processes": MAX_PROCESSES,
-                "tmp_bytes": min(int(self.memory_mb), MAX_TMP_MB) << 20}
+        return {
+            "isolate": isolate,
+            "uid": _run_uid(),
+            "root": _mount_point(),
+            "work": work,
+            "cgroups": self.cgroup.procs_files if self.cgroup is not None else [],
+            "hidden": _package_dirs(),
+            "memory_bytes": int(self.memory_mb) << 20,
+            "cpu_seconds": int(self.timeout) + 2,
+            "file_bytes": MAX_OUTPUT_BYTES,
+            "open_files": MAX_OPEN_FILES,
+            "processes": MAX_PROCESSES,
+            "tmp_bytes": min(int(self.memory_mb), MAX_TMP_MB) << 20,
+        }
 
 
 def _load_report(report: dict) -> dict:
@@ -351,9 +370,12 @@ def _load_report(report: dict) -> dict:
     if type(functions) is not list or type(values) is not dict:
         raise ValueError("no functions and values")
     usable = functools.partial(_usable_name, set(dir(builtins)))
-    return {"syntax_error": None, "error": str(error) if error else None,
-            "functions": [name for name in functions if usable(name)],
-            "values": {name: codec.decode(value) for name, value in values.items() if usable(name)}}
+    return {
+        "syntax_error": None,
+        "error": str(error) if error else None,
+        "functions": [name for name in functions if usable(name)],
+        "values": {name: codec.decode(value) for name, value in values.items() if usable(name)},
+    }
 
 
 def _usable_name(builtin_names: set[str], name) -> bool:
@@ -382,9 +404,16 @@ class _Child:
         if "LD_LIBRARY_PATH" in os.environ:  # some Python builds need it to start at all
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", CHILD, json.dumps(config)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.stderr, cwd=config["work"], env=env, start_new_session=True,
-            close_fds=True, bufsize=0)
+            [sys.executable, "-I", "-S", CHILD, json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            cwd=config["work"],
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            bufsize=0,
+        )
         self.to_child, self.from_child = self.process.stdin.fileno(), self.process.stdout.fileno()
         os.set_blocking(self.to_child, False)
 
@@ -393,7 +422,7 @@ class _Child:
         while data:
             self._wait(self.to_child, select.POLLOUT)
             try:
-                data = data[os.write(self.to_child, data):]
+                data = data[os.write(self.to_child, data) :]
             except BlockingIOError:
                 continue
             except BrokenPipeError:
@@ -464,9 +493,12 @@ def _disable_isolation(reason: str) -> None:
         if _DISABLED:
             return
         _DISABLED.append(reason)
-    warnings.warn(f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
-                  "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').", RuntimeWarning,
-                  stacklevel=4)
+    warnings.warn(
+        f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
+        "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @functools.cache
@@ -480,8 +512,13 @@ def _mount_point() -> str:
 @functools.cache
 def _package_dirs() -> list[str]:
     """This interpreter's package directories (venv, site-packages), to be empty in the child's tree."""
-    return sorted({path for path in [*sys.path, *site.getsitepackages(), site.getusersitepackages()]
-                   if os.path.isabs(path) and os.path.isdir(path)})
+    return sorted(
+        {
+            path
+            for path in [*sys.path, *site.getsitepackages(), site.getusersitepackages()]
+            if os.path.isabs(path) and os.path.isdir(path)
+        }
+    )
 
 
 @functools.cache
@@ -493,7 +530,9 @@ def _uid_range() -> range | None:
     except OSError:
         return None
     wanted = range(1_000_000, 2_000_000)
-    return wanted if any(start <= wanted.start and wanted.stop <= start + count for start, _, count in extents) else None
+    return (
+        wanted if any(start <= wanted.start and wanted.stop <= start + count for start, _, count in extents) else None
+    )
 
 
 def _run_uid() -> int:

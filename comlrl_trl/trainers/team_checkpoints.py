@@ -80,8 +80,9 @@ class TeamCheckpoints:
         if resume is True:
             resume = latest_checkpoint(root or self.args.output_dir)
             if resume is None:
-                raise FileNotFoundError(f"resume_from_checkpoint=True but {root or self.args.output_dir!r} holds "
-                                        "no complete checkpoint.")
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint=True but {root or self.args.output_dir!r} holds no complete checkpoint."
+                )
         elif resume is False:
             resume = None
         self._resume_path = os.fspath(resume) if resume is not None else None
@@ -114,9 +115,16 @@ class TeamCheckpoints:
         root = self._checkpoint_root(trial) or self.checkpoint_root(trial)
         sequence = self.checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
         limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
-        save_staged(root, f"{PREFIX_CHECKPOINT_DIR}-{sequence}", self._staging_token,
-                    lambda staging: self._write_checkpoint_files(staging, sequence), self.accelerator,
-                    self.args.should_save, limit, self._run_id)
+        save_staged(
+            root,
+            f"{PREFIX_CHECKPOINT_DIR}-{sequence}",
+            self._staging_token,
+            lambda staging: self._write_checkpoint_files(staging, sequence),
+            self.accelerator,
+            self.args.should_save,
+            limit,
+            self._run_id,
+        )
         self._last_saved_step = self.state.global_step
 
     def _write_checkpoint_files(self, staging: str, sequence: int) -> None:
@@ -164,11 +172,15 @@ class TeamCheckpoints:
 
     def stateful_objects(self) -> dict[str, Any]:
         """User objects that carry state across a resume: anything with `state_dict` and `load_state_dict`."""
-        candidates = {"reward_func": self.orchestrator.joint_reward.reward_func,
-                      "reward_processor": self.orchestrator.joint_reward.reward_processor,
-                      "external_transition": self.external_transition, "eval_logger": self.eval_logger,
-                      "eval_aggregator": self.eval_aggregator, "train_dataset": self.train_dataset,
-                      "eval_dataset": self.eval_dataset}
+        candidates = {
+            "reward_func": self.orchestrator.joint_reward.reward_func,
+            "reward_processor": self.orchestrator.joint_reward.reward_processor,
+            "external_transition": self.external_transition,
+            "eval_logger": self.eval_logger,
+            "eval_aggregator": self.eval_aggregator,
+            "train_dataset": self.train_dataset,
+            "eval_dataset": self.eval_dataset,
+        }
         candidates.update({f"formatter_{i}": f for i, f in enumerate(self.formatters)})
         candidates.update({f"callback_{type(c).__name__}": c for c in self.callback_handler.callbacks})
         return stateful_objects(candidates)
@@ -178,8 +190,10 @@ class TeamCheckpoints:
             "env_step": self.env_step,
             "epoch_items": self._epoch_items,
             "last_logged_env_step": self._last_logged_env_step,
-            "followers": [{"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
-                          for f in self.agent_trainers[1:]],
+            "followers": [
+                {"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
+                for f in self.agent_trainers[1:]
+            ],
             "objects": objects_state(self.stateful_objects()),
         }
 

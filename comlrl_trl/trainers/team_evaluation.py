@@ -33,8 +33,9 @@ class TeamEvaluation:
             raise ValueError(f"num_eval_samples must be a positive integer, got {count!r}.")
         items = list(itertools.islice(iter(self.eval_dataset), count))
         if not items:
-            raise ValueError("eval_dataset yielded no evaluation items; pass a non-empty eval_dataset, or None to "
-                             "skip evaluation.")
+            raise ValueError(
+                "eval_dataset yielded no evaluation items; pass a non-empty eval_dataset, or None to skip evaluation."
+            )
         process, processes = self.accelerator.process_index, self.accelerator.num_processes
         indices, kept = even_shard(len(items), process, processes)  # the repeated ones' results are dropped
         sampled = [items[index] for index in indices]
@@ -50,7 +51,8 @@ class TeamEvaluation:
             for start in range(0, len(sampled), self.args.eval_batch_size):
                 end = start + self.args.eval_batch_size
                 batch_completions, batch_rewards, batch_returns, batch_prompts = self.orchestrator.evaluate_path(
-                    sampled[start:end], labels[start:end])
+                    sampled[start:end], labels[start:end]
+                )
                 for agent_completions, new in zip(completions, batch_completions):
                     agent_completions.extend(new)
                 for agent_prompts, new in zip(prompts, batch_prompts):
@@ -77,8 +79,9 @@ class TeamEvaluation:
         """`eval_logger` rows for the local items, gathered and reduced by `eval_aggregator` (no prefix)."""
         if self.eval_logger is None:
             return {}
-        rows = self.eval_logger(agent_completions_turns=completions, batch_items=items,
-                                prompts=[item.get("prompt") for item in items])
+        rows = self.eval_logger(
+            agent_completions_turns=completions, batch_items=items, prompts=[item.get("prompt") for item in items]
+        )
         return self.eval_aggregator(self._gather_lists(rows), num_turns=self.args.num_turns)
 
     def _gather_lists(self, values: list) -> list:

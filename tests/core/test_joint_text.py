@@ -19,7 +19,10 @@ def test_prompts_only_for_a_state_value():
 def test_chat_prompts_are_rendered_as_role_lines():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert prompt_text(messages) == "system: Be brief.\nuser: Hi"
-    assert joint_text([messages], ["Hello"]) == "[Agent 1 prompt]\nsystem: Be brief.\nuser: Hi\n\n[Agent 1 response]\nHello"
+    assert (
+        joint_text([messages], ["Hello"])
+        == "[Agent 1 prompt]\nsystem: Be brief.\nuser: Hi\n\n[Agent 1 response]\nHello"
+    )
 
 
 def test_one_response_per_prompt():

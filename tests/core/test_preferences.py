@@ -53,13 +53,16 @@ def test_candidate_count_times_cap():
     assert len(select_preference_pairs([4.0, 3.0, 2.0, 1.0], "reward_gap", max_pairs=3)) == 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(selection="best"), "pair_selection"),
-    (dict(selection="all", max_pairs=2), "must be None with pair_selection='all'"),
-    (dict(max_pairs=0), "positive integer"),
-    (dict(max_pairs=True), "positive integer"),
-    (dict(selection="random"), "seeded random.Random"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(selection="best"), "pair_selection"),
+        (dict(selection="all", max_pairs=2), "must be None with pair_selection='all'"),
+        (dict(max_pairs=0), "positive integer"),
+        (dict(max_pairs=True), "positive integer"),
+        (dict(selection="random"), "seeded random.Random"),
+    ],
+)
 def test_selection_errors_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
         select_preference_pairs([1.0, 0.0], **kwargs)

@@ -21,18 +21,37 @@ def checksum(module) -> float:
 def run(name: str, output_dir: str) -> dict:
     path = tiny_model_path("qwen2")
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(8)]})
-    common = dict(output_dir=f"{output_dir}/{name}", per_device_train_batch_size=2, max_new_tokens=6,
-                  learning_rate=0.05, critic_learning_rate=0.01, logging_steps=1, gradient_checkpointing=False,
-                  report_to="none", num_train_epochs=1, eval_interval=0)
+    common = dict(
+        output_dir=f"{output_dir}/{name}",
+        per_device_train_batch_size=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        critic_learning_rate=0.01,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        eval_interval=0,
+    )
     if name == "iac-shared":
-        trainer = IACTrainer(agent_model=path, reward_func=reward, train_dataset=dataset,
-                             args=IACConfig(use_separate_critic=False, **common))
+        trainer = IACTrainer(
+            agent_model=path,
+            reward_func=reward,
+            train_dataset=dataset,
+            args=IACConfig(use_separate_critic=False, **common),
+        )
     elif name == "iac-separate":
-        trainer = IACTrainer(agent_model=path, critic_model=path, reward_func=reward, train_dataset=dataset,
-                             args=IACConfig(critic_type="q", **common))
+        trainer = IACTrainer(
+            agent_model=path,
+            critic_model=path,
+            reward_func=reward,
+            train_dataset=dataset,
+            args=IACConfig(critic_type="q", **common),
+        )
     else:
-        trainer = MAACTrainer(agent_model=path, critic_model=path, reward_func=reward, train_dataset=dataset,
-                              args=MAACConfig(**common))
+        trainer = MAACTrainer(
+            agent_model=path, critic_model=path, reward_func=reward, train_dataset=dataset, args=MAACConfig(**common)
+        )
     modules = trainer.agents + trainer.critics
     before = [checksum(m) for m in modules]
     trainer.train()

@@ -29,22 +29,47 @@ def head_weights(trainer) -> list[float]:
 
 def main(output_dir: str) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
-    common = dict(per_device_train_batch_size=2, max_new_tokens=6, learning_rate=0.05, logging_steps=1,
-                  gradient_checkpointing=False, report_to="none", num_train_epochs=1, eval_interval=0, bf16=False)
+    common = dict(
+        per_device_train_batch_size=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        eval_interval=0,
+        bf16=False,
+    )
     path = tiny_model_path("qwen2")
-    iac = IACTrainer(agent_model=path, reward_func=reward, train_dataset=dataset,
-                     args=IACConfig(output_dir=f"{output_dir}/iac", use_separate_critic=False, **common))
+    iac = IACTrainer(
+        agent_model=path,
+        reward_func=reward,
+        train_dataset=dataset,
+        args=IACConfig(output_dir=f"{output_dir}/iac", use_separate_critic=False, **common),
+    )
     iac.train()
-    maac = MAACTrainer(agent_model=path, critic_model=path, reward_func=reward, train_dataset=dataset,
-                       args=MAACConfig(output_dir=f"{output_dir}/maac", **common))
+    maac = MAACTrainer(
+        agent_model=path,
+        critic_model=path,
+        reward_func=reward,
+        train_dataset=dataset,
+        args=MAACConfig(output_dir=f"{output_dir}/maac", **common),
+    )
     maac.train()
-    print("RESULT " + json.dumps({
-        "engines": [type(agent.model_wrapped).__name__ for trainer in (iac, maac) for agent in trainer._team],
-        "steps": [iac.state.global_step, maac.state.global_step],
-        "heads": head_weights(iac) + head_weights(maac),  # zero at initialisation
-        "value_losses": [len([r for r in t.state.log_history if key in r]) for t, key in
-                         ((iac, "agent_1/value_loss"), (maac, "critic/value_loss"))],
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "engines": [type(agent.model_wrapped).__name__ for trainer in (iac, maac) for agent in trainer._team],
+                "steps": [iac.state.global_step, maac.state.global_step],
+                "heads": head_weights(iac) + head_weights(maac),  # zero at initialisation
+                "value_losses": [
+                    len([r for r in t.state.log_history if key in r])
+                    for t, key in ((iac, "agent_1/value_loss"), (maac, "critic/value_loss"))
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

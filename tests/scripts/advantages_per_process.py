@@ -27,11 +27,21 @@ def reward(first, second, *, batch_items):
 
 def main(output_dir: str) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)], "idx": list(range(4))})
-    config = MAGRPOConfig(output_dir=output_dir, num_generations=2, max_new_tokens=4, learning_rate=0.05,
-                          advantage_mode="raw", advantage_normalization=False, gradient_checkpointing=False,
-                          report_to="none", max_steps=1, eval_interval=0)
-    trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                            args=config)
+    config = MAGRPOConfig(
+        output_dir=output_dir,
+        num_generations=2,
+        max_new_tokens=4,
+        learning_rate=0.05,
+        advantage_mode="raw",
+        advantage_normalization=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        max_steps=1,
+        eval_interval=0,
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=config
+    )
     for model in trainer.agents:
         model.train()
     rank = dist.get_rank()

@@ -18,9 +18,18 @@ def reward(first, second):
 
 def build(output_dir: str, epochs: int) -> MAGRPOTrainer:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
-    config = MAGRPOConfig(output_dir=output_dir, num_generations=2, per_device_train_batch_size=2, max_new_tokens=4, learning_rate=0.05,
-                          lr_scheduler_type="constant", gradient_checkpointing=False, report_to="none",
-                          num_train_epochs=epochs, eval_interval=0)
+    config = MAGRPOConfig(
+        output_dir=output_dir,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_new_tokens=4,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=epochs,
+        eval_interval=0,
+    )
     return MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=config)
 
 

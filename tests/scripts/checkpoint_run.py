@@ -50,12 +50,26 @@ def main():
         comlrl_trl.checkpoint.commit = dying_commit  # save_staged looks it up in its own module
 
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
-    config = MAGRPOConfig(output_dir=os.path.join(args.checkpoint_dir, "out"), num_generations=2, max_new_tokens=6,
-                          learning_rate=0.05, logging_steps=1, gradient_checkpointing=False, report_to="none",
-                          num_train_epochs=3, eval_interval=0, seed=1)
+    config = MAGRPOConfig(
+        output_dir=os.path.join(args.checkpoint_dir, "out"),
+        num_generations=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=3,
+        eval_interval=0,
+        seed=1,
+    )
     callbacks = [KillBeforeEpoch(args.kill_before_epoch)] if args.kill_before_epoch else None
-    trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                            args=config, callbacks=callbacks)
+    trainer = MAGRPOTrainer(
+        agent_model=tiny_model_path("qwen2"),
+        reward_func=reward,
+        train_dataset=dataset,
+        args=config,
+        callbacks=callbacks,
+    )
     trainer.train(resume_from_checkpoint=True if args.resume else None, checkpoint_dir=args.checkpoint_dir)
     sums = [[p.detach().double().sum().item() for p in model.parameters()] for model in trainer.agents]
     rewards = [row["turn_1/reward_mean"] for row in trainer.state.log_history if "turn_1/reward_mean" in row]

@@ -23,11 +23,24 @@ def reward(first, second, *, batch_items):
 
 def main(output_dir: str) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(8)], "idx": list(range(8))})
-    config = MAGRPOConfig(output_dir=output_dir, num_generations=4, max_new_tokens=6, learning_rate=0.05,
-                          logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
-                          eval_interval=0)
-    trainer = MAGRPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                            eval_dataset=dataset.select(range(3)), args=config)
+    config = MAGRPOConfig(
+        output_dir=output_dir,
+        num_generations=4,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        eval_interval=0,
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=tiny_model_path("qwen2"),
+        reward_func=reward,
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(3)),
+        args=config,
+    )
     before = [sum(p.sum().item() for p in model.parameters()) for model in trainer.agents]
     trainer.train()
     scored = [None] * dist.get_world_size()
@@ -40,9 +53,22 @@ def main(output_dir: str) -> None:
     evaluated = [None] * dist.get_world_size()
     dist.all_gather_object(evaluated, list(EVALUATED))
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"world": dist.get_world_size(), "before": before, "after": gathered,
-                                      "env_step": trainer.env_step, "eval": metrics, "scored": scored, "evaluated": evaluated,
-                                      "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team], "dist": str(trainer.accelerator.distributed_type)}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "world": dist.get_world_size(),
+                    "before": before,
+                    "after": gathered,
+                    "env_step": trainer.env_step,
+                    "eval": metrics,
+                    "scored": scored,
+                    "evaluated": evaluated,
+                    "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team],
+                    "dist": str(trainer.accelerator.distributed_type),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,21 @@ def weights(model) -> list[float]:
 
 def main(output_dir: str) -> None:
     items = Dataset.from_dict({"prompt": [f"Item {i}: tell me" for i in range(4)]})
-    config = MADPOConfig(output_dir=output_dir, num_agents=2, preference_num_candidates=4, per_device_train_batch_size=4, max_new_tokens=8,
-                         learning_rate=0.05, logging_steps=1, report_to="none", gradient_checkpointing=False,
-                         num_train_epochs=1, eval_interval=0, bf16=False, preference_pairs_per_sample=2)
+    config = MADPOConfig(
+        output_dir=output_dir,
+        num_agents=2,
+        preference_num_candidates=4,
+        per_device_train_batch_size=4,
+        max_new_tokens=8,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to="none",
+        gradient_checkpointing=False,
+        num_train_epochs=1,
+        eval_interval=0,
+        bf16=False,
+        preference_pairs_per_sample=2,
+    )
     trainer = MADPOTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=items, args=config)
     start = [weights(agent) for agent in trainer.agents]
     trainer.train()
@@ -37,10 +49,18 @@ def main(output_dir: str) -> None:
     dist.all_gather_object(gathered, rank)
     losses = [row["agent_0/dpo/loss"] for row in trainer.state.log_history if "agent_0/dpo/loss" in row]
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"same": all(g == gathered[0] for g in gathered), "moved": gathered[0] != start,
-                                      "steps": trainer.state.global_step, "losses": losses,
-                                      "pairs": [r["preference/pairs"] for r in trainer.state.log_history
-                                                if "preference/pairs" in r]}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "same": all(g == gathered[0] for g in gathered),
+                    "moved": gathered[0] != start,
+                    "steps": trainer.state.global_step,
+                    "losses": losses,
+                    "pairs": [r["preference/pairs"] for r in trainer.state.log_history if "preference/pairs" in r],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -49,17 +49,40 @@ class RecordingRewardTrainer(marlhf_trainer.JointRewardTrainer):
 
 def main(output_dir: str, iterative: bool) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
-    common = dict(output_dir=output_dir, num_agents=2, num_generations=2, per_device_train_batch_size=2, max_new_tokens=6, learning_rate=0.05,
-                  logging_steps=1, gradient_checkpointing=False, report_to="none", num_train_epochs=1,
-                  eval_interval=0, bf16=False, preference_num_candidates=4, preference_pairs_per_sample=2,
-                  reward_learning_rate=1e-3, reward_num_train_epochs=1, reward_train_batch_size=3)
+    common = dict(
+        output_dir=output_dir,
+        num_agents=2,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        eval_interval=0,
+        bf16=False,
+        preference_num_candidates=4,
+        preference_pairs_per_sample=2,
+        reward_learning_rate=1e-3,
+        reward_num_train_epochs=1,
+        reward_train_batch_size=3,
+    )
     marlhf_trainer.JointRewardTrainer = RecordingRewardTrainer
     if iterative:
-        trainer = MARLHFIterTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                                    args=MARLHFIterConfig(num_iterations=2, **common))
+        trainer = MARLHFIterTrainer(
+            agent_model=tiny_model_path("qwen2"),
+            reward_func=reward,
+            train_dataset=dataset,
+            args=MARLHFIterConfig(num_iterations=2, **common),
+        )
     else:
-        trainer = MARLHFTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset,
-                                args=MARLHFConfig(**common))
+        trainer = MARLHFTrainer(
+            agent_model=tiny_model_path("qwen2"),
+            reward_func=reward,
+            train_dataset=dataset,
+            args=MARLHFConfig(**common),
+        )
     memory = []
     rl_stage = trainer._rl_stage
 
@@ -71,14 +94,21 @@ def main(output_dir: str, iterative: bool) -> None:
     trainer._rl_stage = recording_stage
     trainer.train()
     rl = trainer.rl_trainer
-    print("RESULT " + json.dumps({
-        "engines": [type(agent.model_wrapped).__name__ for agent in rl._team],
-        "engine_steps": [agent.model_wrapped.global_steps for agent in rl._team],
-        "reward_model": type(trainer.reward_model).__name__,
-        "memory": memory,
-        "reward_engines": RecordingRewardTrainer.engines,
-        "reward_loss": [r["reward_model/train_loss"] for r in trainer.log_history if "reward_model/train_loss" in r],
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "engines": [type(agent.model_wrapped).__name__ for agent in rl._team],
+                "engine_steps": [agent.model_wrapped.global_steps for agent in rl._team],
+                "reward_model": type(trainer.reward_model).__name__,
+                "memory": memory,
+                "reward_engines": RecordingRewardTrainer.engines,
+                "reward_loss": [
+                    r["reward_model/train_loss"] for r in trainer.log_history if "reward_model/train_loss" in r
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

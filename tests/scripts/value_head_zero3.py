@@ -27,9 +27,20 @@ def gathered_state(head) -> dict[str, torch.Tensor]:
 
 def main(output_dir: str) -> None:
     dataset = Dataset.from_dict({"prompt": [f"Item {i}: tell me something" for i in range(4)]})
-    args = IACConfig(output_dir=output_dir, use_separate_critic=False, value_head_hidden_dim=32,
-                     per_device_train_batch_size=2, max_new_tokens=6, learning_rate=0.05, logging_steps=1,
-                     gradient_checkpointing=False, report_to="none", num_train_epochs=1, eval_interval=0, bf16=False)
+    args = IACConfig(
+        output_dir=output_dir,
+        use_separate_critic=False,
+        value_head_hidden_dim=32,
+        per_device_train_batch_size=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        num_train_epochs=1,
+        eval_interval=0,
+        bf16=False,
+    )
     trainer = IACTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=args)
     trainer.train()
     heads = [agent.model.value_head for agent in trainer._team]
@@ -47,11 +58,18 @@ def main(output_dir: str) -> None:
     trainer.critic_set.load(export)
     restored = [gathered_state(head) for head in heads]
     restored_ok = [all(torch.equal(r[name], t[name]) for name in t) for r, t in zip(restored, trained)]
-    print("RESULT " + json.dumps({
-        "partitioned": partitioned, "saved": saved_ok, "restored": restored_ok,
-        "shapes": {name: list(t.shape) for name, t in saved[0].items()},
-        "nonzero": [float(t["net.2.weight"].abs().sum()) > 0 for t in trained],
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "partitioned": partitioned,
+                "saved": saved_ok,
+                "restored": restored_ok,
+                "shapes": {name: list(t.shape) for name, t in saved[0].items()},
+                "nonzero": [float(t["net.2.weight"].abs().sum()) > 0 for t in trained],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,7 +64,11 @@ class ActorCriticConfig(MAGRPOConfig):
             self.critic_learning_rate = self.learning_rate
 
     def _check_num_generations(self):
-        if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) or self.num_generations < 1:
+        if (
+            isinstance(self.num_generations, bool)
+            or not isinstance(self.num_generations, int)
+            or self.num_generations < 1
+        ):
             raise ValueError(f"num_generations must be an integer >= 1, got {self.num_generations!r}.")
 
     _default_batch_fits_dataset = False
@@ -97,8 +101,12 @@ class IACConfig(ActorCriticConfig):
     See [`ActorCriticConfig`] for the shared fields.
     """
 
-    use_separate_critic: bool = field(default=True, metadata={"help": "A critic model per agent (else a head on the actor)."})
-    value_head_hidden_dim: int | None = field(default=None, metadata={"help": "Hidden layer of the actors' value heads."})
+    use_separate_critic: bool = field(
+        default=True, metadata={"help": "A critic model per agent (else a head on the actor)."}
+    )
+    value_head_hidden_dim: int | None = field(
+        default=None, metadata={"help": "Hidden layer of the actors' value heads."}
+    )
     critic_value_head_hidden_dim: int | None = field(
         default=None, metadata={"help": "Hidden layer of the separate critics' value heads."}
     )
@@ -121,15 +129,18 @@ class MAACConfig(ActorCriticConfig):
 def validate_critic_fields(config) -> None:
     """The critic settings shared by the actor-critic configs and MARLHF's actor-critic back end."""
     if config.critic_type not in ("v", "q"):
-        raise ValueError(f"critic_type must be 'v' or 'q' (the value of the prompt, or of prompt and response), got "
-                         f"{config.critic_type!r}.")
+        raise ValueError(
+            f"critic_type must be 'v' or 'q' (the value of the prompt, or of prompt and response), got "
+            f"{config.critic_type!r}."
+        )
     if not config.value_loss_coef > 0:
         raise ValueError(f"value_loss_coef must be > 0, got {config.value_loss_coef!r}.")
     if config.value_clip_range is not None and not config.value_clip_range > 0:
         raise ValueError(f"value_clip_range must be > 0 or None (no clipping), got {config.value_clip_range!r}.")
     if config.critic_learning_rate is not None and not config.critic_learning_rate > 0:
-        raise ValueError(f"critic_learning_rate must be > 0 or None (use learning_rate), got "
-                         f"{config.critic_learning_rate!r}.")
+        raise ValueError(
+            f"critic_learning_rate must be > 0 or None (use learning_rate), got {config.critic_learning_rate!r}."
+        )
 
 
 def _check_hidden_dim(name: str, value) -> None:

@@ -86,8 +86,10 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         if not isinstance(args, self.default_config_cls):
             raise TypeError(f"args must be a {self.default_config_cls.__name__}, got {type(args).__name__}.")
         if metrics_callback is not None and not callable(metrics_callback):
-            raise TypeError(f"metrics_callback must be a callable taking a list of RolloutSample, got "
-                            f"{type(metrics_callback).__name__}.")
+            raise TypeError(
+                f"metrics_callback must be a callable taking a list of RolloutSample, got "
+                f"{type(metrics_callback).__name__}."
+            )
         if agents is not None and tokenizer is None:
             raise ValueError(
                 f"{type(self).__name__} needs tokenizer=... when agents are given (even as model ids): one tokenizer "
@@ -98,18 +100,36 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         critic_sources = self._critic_sources(critic_model, critics, n, args)
         self.metrics_callback = metrics_callback
         self._critic_setup = (critic_sources, critic_kwargs, critic_peft_config)  # built with the orchestrator
-        super().__init__(agent_model=agent_model, agents=agents, tokenizer=tokenizer, formatters=formatters,
-                         reward_func=reward_func, reward_processor=reward_processor, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, args=args, external_transition=external_transition,
-                         wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
+        super().__init__(
+            agent_model=agent_model,
+            agents=agents,
+            tokenizer=tokenizer,
+            formatters=formatters,
+            reward_func=reward_func,
+            reward_processor=reward_processor,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            args=args,
+            external_transition=external_transition,
+            wandb_config=wandb_config,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
 
     # ----- construction -----
 
     def _build_orchestrator(self, formatters, joint, external_transition):
         self.critic_set = self._build_critics(*self._critic_setup)
         rewards = AgentRewards(joint.reward_func, joint.reward_processor, len(self._team))
-        return ActorCriticOrchestrator(self._team, formatters, rewards, self.args, self.critic_set,
-                                       external_transition, record_samples=self.metrics_callback is not None)
+        return ActorCriticOrchestrator(
+            self._team,
+            formatters,
+            rewards,
+            self.args,
+            self.critic_set,
+            external_transition,
+            record_samples=self.metrics_callback is not None,
+        )
 
     def _apply_model_config(self, model_config, args) -> dict[str, Any]:
         """Actor loading settings go into `args.model_init_kwargs`; returns the critics' loading settings."""
@@ -118,9 +138,15 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         unknown = set(model_config) - allowed
         if unknown:
             raise ValueError(f"Unknown model_config keys {sorted(unknown)}; expected some of {sorted(allowed)}.")
-        common = {key: model_config[key] for key in ("dtype", "torch_dtype", "attn_implementation") if key in model_config}
+        common = {
+            key: model_config[key] for key in ("dtype", "torch_dtype", "attn_implementation") if key in model_config
+        }
         if common or model_config.get("model_kwargs"):
-            args.model_init_kwargs = {**(args.model_init_kwargs or {}), **common, **model_config.get("model_kwargs", {})}
+            args.model_init_kwargs = {
+                **(args.model_init_kwargs or {}),
+                **common,
+                **model_config.get("model_kwargs", {}),
+            }
         self._model_config = model_config
         return {**common, **model_config.get("critic_model_kwargs", {})}
 
@@ -152,8 +178,9 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         slot = self.slot
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.critic_set.train_micro_batches(slot, [agent.micro_batch(slot) for agent in self._team],
-                                            self._record_metric)
+        self.critic_set.train_micro_batches(
+            slot, [agent.micro_batch(slot) for agent in self._team], self._record_metric
+        )
         return loss
 
     def _record_metric(self, key: str, value: float, agent: int | None = None) -> None:
@@ -192,9 +219,13 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
             return {}
         rows = []
         for i, item in enumerate(items):
-            samples = [RolloutSample(a, prompts[a][i][t], completions[a][i][t],
-                                     {"turn_idx": t, "generation_idx": 0, "batch_item": item})
-                       for a in range(len(self._team)) for t in range(len(completions[a][i]))]
+            samples = [
+                RolloutSample(
+                    a, prompts[a][i][t], completions[a][i][t], {"turn_idx": t, "generation_idx": 0, "batch_item": item}
+                )
+                for a in range(len(self._team))
+                for t in range(len(completions[a][i]))
+            ]
             rows.append(_numeric(self.metrics_callback(samples)))
         return _mean_rows(self._gather_lists(rows))
 
@@ -214,13 +245,21 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         self.critic_set.load(checkpoint)
 
     def compatibility(self) -> dict[str, Any]:
-        return {**super().compatibility(), "critic_type": self.args.critic_type,
-                "critics": [model_fingerprint(critic) for critic in self.critic_set.critics]}
+        return {
+            **super().compatibility(),
+            "critic_type": self.args.critic_type,
+            "critics": [model_fingerprint(critic) for critic in self.critic_set.critics],
+        }
 
     def _run_config(self) -> dict[str, Any]:
-        return {**super()._run_config(), "critic_type": self.args.critic_type,
-                "critic_learning_rate": self.args.critic_learning_rate, "value_loss_coef": self.args.value_loss_coef,
-                "value_clip_range": self.args.value_clip_range, "discount": self.args.discount}
+        return {
+            **super()._run_config(),
+            "critic_type": self.args.critic_type,
+            "critic_learning_rate": self.args.critic_learning_rate,
+            "value_loss_coef": self.args.value_loss_coef,
+            "value_clip_range": self.args.value_clip_range,
+            "discount": self.args.discount,
+        }
 
     # ----- accessors -----
 
@@ -234,8 +273,10 @@ def _check_same_models(first, first_name: str, entries: Sequence, entries_name: 
     expected = model_name(first)
     names = [model_name(entry) for entry in entries]
     if any(name != expected for name in names):
-        raise ValueError(f"{first_name} and {entries_name} conflict: {expected!r} != {names}. Pass one of them, or "
-                         "the same model in both.")
+        raise ValueError(
+            f"{first_name} and {entries_name} conflict: {expected!r} != {names}. Pass one of them, or "
+            "the same model in both."
+        )
 
 
 def _critic_list(critics, what: str) -> list:

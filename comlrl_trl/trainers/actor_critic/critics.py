@@ -64,8 +64,11 @@ def average_gradients(params: list[torch.Tensor], accelerator, bucket_numel: int
     elements of one dtype (as DDP's buckets), not one per parameter."""
     bucket: list[torch.Tensor] = []
     for p in [*params, None]:
-        full = bucket and (p is None or p.grad.dtype != bucket[0].grad.dtype
-                           or sum(q.grad.numel() for q in bucket) + p.grad.numel() > bucket_numel)
+        full = bucket and (
+            p is None
+            or p.grad.dtype != bucket[0].grad.dtype
+            or sum(q.grad.numel() for q in bucket) + p.grad.numel() > bucket_numel
+        )
         if full:
             flat = accelerator.reduce(torch.cat([q.grad.reshape(-1) for q in bucket]), reduction="mean")
             for q, grad in zip(bucket, flat.split([q.grad.numel() for q in bucket])):
@@ -114,9 +117,13 @@ class _OwnOptimisers:
         self.critics = critics
         args = trainer.args
         self.optimizers = [
-            torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate,
-                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                              weight_decay=args.weight_decay)
+            torch.optim.AdamW(
+                [p for p in critic.parameters() if p.requires_grad],
+                lr=args.critic_learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
             for critic in critics
         ]
 
@@ -166,8 +173,10 @@ class ActorValueHeads:
 
     def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
         critic_type = self.trainer.args.critic_type
-        return [[batch_values(agent.model, agent.model.value_head, batch, critic_type) for batch in agent_batches]
-                for agent, agent_batches in zip(self.trainer.agent_trainers, scored)]
+        return [
+            [batch_values(agent.model, agent.model.value_head, batch, critic_type) for batch in agent_batches]
+            for agent, agent_batches in zip(self.trainer.agent_trainers, scored)
+        ]
 
     def store(self, targets, old_values) -> None:
         pass  # the targets travel in the agents' batches
@@ -189,8 +198,9 @@ class ActorValueHeads:
 
     def load(self, checkpoint: str) -> None:
         for i, agent in enumerate(self.trainer.agent_trainers):
-            state = torch.load(os.path.join(checkpoint, f"agent_{i}", VALUE_HEAD_NAME), map_location="cpu",
-                               weights_only=True)
+            state = torch.load(
+                os.path.join(checkpoint, f"agent_{i}", VALUE_HEAD_NAME), map_location="cpu", weights_only=True
+            )
             load_head_state_dict(agent.model.value_head, state)
 
 
@@ -199,8 +209,10 @@ class SeparateCritics(_OwnOptimisers):
 
     def rollout_values(self, turns, scored) -> list[list[torch.Tensor]]:
         critic_type = self.trainer.args.critic_type
-        return [[batch_values(critic.model, critic.value_head, batch, critic_type) for batch in agent_batches]
-                for critic, agent_batches in zip(self.critics, scored)]
+        return [
+            [batch_values(critic.model, critic.value_head, batch, critic_type) for batch in agent_batches]
+            for critic, agent_batches in zip(self.critics, scored)
+        ]
 
     def store(self, targets, old_values) -> None:
         pass  # the targets travel in the agents' batches
@@ -233,9 +245,13 @@ class JointCritic(_OwnOptimisers):
     def _texts(self, turns, t: int) -> list[str]:
         prompts, texts = turns[t].prompts, turns[t].texts
         completions = self.trainer.args.critic_type == "q"
-        return [joint_text([agent_prompts[row] for agent_prompts in prompts],
-                           [agent_texts[row] for agent_texts in texts] if completions else None)
-                for row in range(len(prompts[0]))]
+        return [
+            joint_text(
+                [agent_prompts[row] for agent_prompts in prompts],
+                [agent_texts[row] for agent_texts in texts] if completions else None,
+            )
+            for row in range(len(prompts[0]))
+        ]
 
     def _max_length(self) -> int | None:
         """Tokens of a joint text: every agent's prompt (`max_prompt_length`) and, for a Q critic, response.
@@ -262,8 +278,10 @@ class JointCritic(_OwnOptimisers):
         self._turn_texts = [self._texts(turns, t) for t in range(len(turns))]
         per_turn = []
         for texts in self._turn_texts:
-            values = [critic(*self._encode(texts[start:start + _VALUE_CHUNK])).float()
-                      for start in range(0, len(texts), _VALUE_CHUNK)]
+            values = [
+                critic(*self._encode(texts[start : start + _VALUE_CHUNK])).float()
+                for start in range(0, len(texts), _VALUE_CHUNK)
+            ]
             per_turn.append(torch.cat(values))
         return [per_turn for _ in self.trainer.agent_trainers]
 
@@ -277,9 +295,10 @@ class JointCritic(_OwnOptimisers):
         size = -(-len(texts) // slots)
         self._slots = []
         for start in range(0, len(texts), size):
-            rows = order[start:start + size]
-            self._slots.append({"texts": [texts[r] for r in rows], "value_targets": joint_targets[rows],
-                                "old_values": olds[rows]})
+            rows = order[start : start + size]
+            self._slots.append(
+                {"texts": [texts[r] for r in rows], "value_targets": joint_targets[rows], "old_values": olds[rows]}
+            )
 
     def train_micro_batches(self, slot: int, micro_batches: list[dict[str, Any]], record: MetricSink) -> None:
         if slot >= len(self._slots):

@@ -64,8 +64,10 @@ class IACTrainer(ActorCriticTrainer):
             return []
         if critics is None:
             if critic_model is None:
-                raise ValueError("use_separate_critic=True needs critic_model (copied for every agent) or critics "
-                                 f"(one per agent, {n} here).")
+                raise ValueError(
+                    "use_separate_critic=True needs critic_model (copied for every agent) or critics "
+                    f"(one per agent, {n} here)."
+                )
             return [critic_model] * n
         sources = _critic_list(critics, "critics")
         if len(sources) != n:
@@ -81,7 +83,14 @@ class IACTrainer(ActorCriticTrainer):
         for i, (source, agent) in enumerate(zip(sources, self.agent_trainers)):
             if i > 0 and source is sources[0] and not isinstance(source, str):
                 source = copy.deepcopy(source)  # one model object given as critic_model: every agent gets a copy
-            critics.append(self._load_critic(source, critic_kwargs, copy.deepcopy(critic_peft_config),
-                                             self.args.critic_value_head_hidden_dim, agent.processing_class,
-                                             f"The critic of agent {i}"))
+            critics.append(
+                self._load_critic(
+                    source,
+                    critic_kwargs,
+                    copy.deepcopy(critic_peft_config),
+                    self.args.critic_value_head_hidden_dim,
+                    agent.processing_class,
+                    f"The critic of agent {i}",
+                )
+            )
         return SeparateCritics(self, critics)

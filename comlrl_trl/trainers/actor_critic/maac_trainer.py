@@ -30,22 +30,30 @@ class MAACTrainer(ActorCriticTrainer):
     def _critic_sources(self, critic_model, critics, n: int, args) -> list:
         if critics is None:
             if critic_model is None:
-                raise ValueError("MAACTrainer needs one centralised critic: pass critic_model=... or critics=[...] "
-                                 "with one entry.")
+                raise ValueError(
+                    "MAACTrainer needs one centralised critic: pass critic_model=... or critics=[...] with one entry."
+                )
             return [critic_model]
         sources = _critic_list(critics, "critics")
         if len(sources) != 1:
-            raise ValueError(f"MAACTrainer has one centralised critic, but critics has {len(sources)} entries; pass "
-                             "a one-element list or critic_model.")
+            raise ValueError(
+                f"MAACTrainer has one centralised critic, but critics has {len(sources)} entries; pass "
+                "a one-element list or critic_model."
+            )
         if critic_model is not None:
             _check_same_models(critic_model, "critic_model", sources, "critics")
         return sources
 
     def _build_critics(self, sources, critic_kwargs, critic_peft_config):
         hidden_dim = self._model_config.get("critic_value_head_hidden_dim")
-        if hidden_dim is not None and (isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1):
-            raise ValueError(f"model_config['critic_value_head_hidden_dim'] must be a positive integer, got {hidden_dim!r}.")
+        if hidden_dim is not None and (
+            isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
+        ):
+            raise ValueError(
+                f"model_config['critic_value_head_hidden_dim'] must be a positive integer, got {hidden_dim!r}."
+            )
         tokenizer = self.agent_trainers[0].processing_class
-        critic = self._load_critic(sources[0], critic_kwargs, critic_peft_config, hidden_dim, tokenizer,
-                                   "The centralised critic")
+        critic = self._load_critic(
+            sources[0], critic_kwargs, critic_peft_config, hidden_dim, tokenizer, "The centralised critic"
+        )
         return JointCritic(self, critic, tokenizer)

@@ -60,8 +60,16 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
     With `record_samples`, every training sample's `RolloutSample` is kept in `samples` (for a metrics_callback).
     """
 
-    def __init__(self, agents, formatters, joint_reward: "AgentRewards", args, critics: "CriticSet",
-                 external_transition=None, record_samples: bool = False):
+    def __init__(
+        self,
+        agents,
+        formatters,
+        joint_reward: "AgentRewards",
+        args,
+        critics: "CriticSet",
+        external_transition=None,
+        record_samples: bool = False,
+    ):
         super().__init__(agents, formatters, joint_reward, args, external_transition)
         self.critics = critics
         self.record_samples = record_samples
@@ -73,10 +81,15 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
 
     def _score_agents(self, turns: list[Turn], returns, kl_stats: torch.Tensor):
         n = len(self.agents)
-        scored = [[self._trl_score(self.agents[a], turn, a, [r for node in turn.nodes for r in node.agent_rewards[a]],
-                                   kl_stats, t)[0]
-                   for t, turn in enumerate(turns)]
-                  for a in range(n)]  # the agents' own rewards: TRL's reward metrics stay true
+        scored = [
+            [
+                self._trl_score(
+                    self.agents[a], turn, a, [r for node in turn.nodes for r in node.agent_rewards[a]], kl_stats, t
+                )[0]
+                for t, turn in enumerate(turns)
+            ]
+            for a in range(n)
+        ]  # the agents' own rewards: TRL's reward metrics stay true
         values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
         targets = [[self._targets(a, t, turns, values) for t in range(len(turns))] for a in range(n)]
         self.critics.store(targets, values)
@@ -96,10 +109,11 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
                     self._record(a, t, turns, batch, advantages)
             all_advantages.append(torch.cat(agent_advantages))
             agent.metrics("train")["value_mean"].append(self._global_moments(torch.cat(values[a]))[0].item())
-            agent.metrics("train")["value_target_mean"].append(
-                self._global_moments(torch.cat(targets[a]))[0].item())
-        batches = [concat_scored_batches(batches, agent.processing_class.pad_token_id)
-                   for batches, agent in zip(scored, self.agents)]
+            agent.metrics("train")["value_target_mean"].append(self._global_moments(torch.cat(targets[a]))[0].item())
+        batches = [
+            concat_scored_batches(batches, agent.processing_class.pad_token_id)
+            for batches, agent in zip(scored, self.agents)
+        ]
         return batches, all_advantages
 
     def _targets(self, a: int, t: int, turns, values) -> torch.Tensor:
@@ -113,8 +127,9 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
     def _global_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and population variance of `x` over all processes."""
         x = x.float()
-        sums = self.accelerator.reduce(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), device=x.device)]),
-                                       reduction="sum")
+        sums = self.accelerator.reduce(
+            torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), device=x.device)]), reduction="sum"
+        )
         mean = sums[0] / sums[2]
         return mean, sums[1] / sums[2] - mean * mean
 
@@ -124,8 +139,20 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
         advantages = advantages.tolist()
         rows = zip((m for m in turn.nodes for _ in range(k)), turn.prompts[a], turn.texts[a])
         for row, (node, prompt, text) in enumerate(rows):
-            self.samples.append(RolloutSample(a, prompt, text, {
-                "turn_idx": t, "generation_idx": row % k, "batch_item": node.item, "item_label": node.item_label,
-                "reward": node.agent_rewards[a][row % k], "value": values[row], "value_target": targets[row],
-                "advantage": advantages[row],
-            }))
+            self.samples.append(
+                RolloutSample(
+                    a,
+                    prompt,
+                    text,
+                    {
+                        "turn_idx": t,
+                        "generation_idx": row % k,
+                        "batch_item": node.item,
+                        "item_label": node.item_label,
+                        "reward": node.agent_rewards[a][row % k],
+                        "value": values[row],
+                        "value_target": targets[row],
+                        "advantage": advantages[row],
+                    },
+                )
+            )

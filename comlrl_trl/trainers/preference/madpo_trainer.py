@@ -20,8 +20,9 @@ from .madpo_config import MADPOConfig
 from .pairs import pair_rng
 
 
-def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                   chunk: int | None = None) -> torch.Tensor:
+def sequence_logps(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk: int | None = None
+) -> torch.Tensor:
     """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1).
 
     `chunk`: forward at most this many rows at a time (for no-grad passes: the logits of all rows at once are
@@ -29,13 +30,24 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     """
     rows = prompt_ids.size(0)
     if chunk is not None and rows > chunk:
-        return torch.cat([sequence_logps(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                         completion_ids[i:i + chunk], completion_mask[i:i + chunk])
-                          for i in range(0, rows, chunk)])
+        return torch.cat(
+            [
+                sequence_logps(
+                    model,
+                    prompt_ids[i : i + chunk],
+                    prompt_mask[i : i + chunk],
+                    completion_ids[i : i + chunk],
+                    completion_mask[i : i + chunk],
+                )
+                for i in range(0, rows, chunk)
+            ]
+        )
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.size(1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False
+    ).logits
     per_token = selective_log_softmax(logits[:, :-1, :], completion_ids)  # position t predicts completion token t
     return (per_token * completion_mask).sum(dim=1)
 
@@ -50,15 +62,23 @@ class JointDPOLoss:
         # `_pair_tensors`): it joins the gradient all-reduce, ZeRO-3's parameter gathering and the metric gathers.
         weight = inputs["pair_weight"]
         num_pairs = weight.size(0)
-        logps = sequence_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                               inputs["completion_mask"])
+        logps = sequence_logps(
+            model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+        )
         own = dpo_logratio(logps[:num_pairs], logps[num_pairs:]) - inputs["ref_logratio"]
         per_pair = madpo_loss(own, inputs["others_logratio"], self.args.dpo_beta)
         loss = (per_pair * weight).sum() / weight.sum().clamp(min=1.0)
         joint = own.detach() + inputs["others_logratio"]
         # Metrics over the real pairs of every process: gathered sums and counts.
-        sums = torch.stack([(per_pair.detach() * weight).sum(), ((joint > 0).float() * weight).sum(),
-                            (own.detach() * weight).sum(), (joint * weight).sum(), weight.sum()])
+        sums = torch.stack(
+            [
+                (per_pair.detach() * weight).sum(),
+                ((joint > 0).float() * weight).sum(),
+                (own.detach() * weight).sum(),
+                (joint * weight).sum(),
+                weight.sum(),
+            ]
+        )
         totals = self.accelerator.gather(sums[None]).sum(dim=0)
         if totals[-1] > 0:
             for name, total in zip(("dpo/loss", "dpo/accuracy", "dpo/logratio", "dpo/joint_logratio"), totals):
@@ -109,9 +129,13 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
         super().__init__(*args, **kwargs)
 
     def _run_config(self) -> dict[str, Any]:
-        return {**super()._run_config(), "dpo_beta": self.args.dpo_beta,
-                "use_reference_model": self.args.use_reference_model, "pair_selection": self.args.pair_selection,
-                "preference_pairs_per_sample": self.args.preference_pairs_per_sample}
+        return {
+            **super()._run_config(),
+            "dpo_beta": self.args.dpo_beta,
+            "use_reference_model": self.args.use_reference_model,
+            "pair_selection": self.args.pair_selection,
+            "preference_pairs_per_sample": self.args.preference_pairs_per_sample,
+        }
 
     def generation_step(self, rows: list[dict[str, Any]]) -> None:
         """Sample and pair the candidates of the local generation batch; every agent gets its pair micro-batches."""
@@ -123,13 +147,18 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
         args, count = self.args, self.args.num_generations
         items = len(rows) // count * self.accelerator.num_processes
         self._maybe_evaluate(first_item=self._epoch_items, num_items=items)
-        nodes = [self.orchestrator.root_node(item, f"task item {self._epoch_items + g}") for g, item in enumerate(rows[::count])]
-        rollouts = [agent.generate([node.prompts[a] for node in nodes for _ in range(count)])
-                    for a, agent in enumerate(self._team)]
+        nodes = [
+            self.orchestrator.root_node(item, f"task item {self._epoch_items + g}")
+            for g, item in enumerate(rows[::count])
+        ]
+        rollouts = [
+            agent.generate([node.prompts[a] for node in nodes for _ in range(count)])
+            for a, agent in enumerate(self._team)
+        ]
         texts = [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
         item_pairs, means, chosen, rejected = [], [], [], []
         for g, node in enumerate(nodes):
-            candidates = [agent_texts[g * count:(g + 1) * count] for agent_texts in texts]
+            candidates = [agent_texts[g * count : (g + 1) * count] for agent_texts in texts]
             rewards = self.orchestrator.joint_reward(candidates, node.item, node.item_label)
             index = self._epoch_items + g
             rng = pair_rng(args.seed, self.state.global_step, index) if args.pair_selection == "random" else None
@@ -142,18 +171,22 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
         self.env_step += count * items
         self._log_pair_metrics(means, chosen, rejected)
         per_slot = len(nodes) // args.steps_per_generation
-        slots = [[row for pairs in item_pairs[s * per_slot:(s + 1) * per_slot] for row in pairs]
-                 for s in range(args.steps_per_generation)]
+        slots = [
+            [row for pairs in item_pairs[s * per_slot : (s + 1) * per_slot] for row in pairs]
+            for s in range(args.steps_per_generation)
+        ]
         return self._score_slots(slots, rollouts)
 
     def _score_slots(self, slots: list[list[tuple[int, int]]], rollouts) -> list[list[dict[str, torch.Tensor]]]:
         """Token tensors of every slot's pairs per agent, the others' log-ratios and the reference log-ratios."""
-        batches = [[_pair_tensors(agent, rollout, pairs) for pairs in slots]
-                   for agent, rollout in zip(self._team, rollouts)]
+        batches = [
+            [_pair_tensors(agent, rollout, pairs) for pairs in slots] for agent, rollout in zip(self._team, rollouts)
+        ]
         for s in range(len(slots)):
             with torch.no_grad():
-                policy, reference = zip(*[self._logratios(agent, agent_batches[s])
-                                          for agent, agent_batches in zip(self._team, batches)])
+                policy, reference = zip(
+                    *[self._logratios(agent, agent_batches[s]) for agent, agent_batches in zip(self._team, batches)]
+                )
             deltas = torch.stack(policy) - torch.stack(reference)  # (agents, pairs)
             others = others_logratio(deltas)
             for a, agent_batches in enumerate(batches):
@@ -164,8 +197,13 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
     def _logratios(self, agent, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Agent's policy log-ratio (chosen over rejected) with the current weights, and the reference's (or 0)."""
         num_pairs = batch["pair_weight"].size(0)
-        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
-                  agent.args.per_device_train_batch_size)  # no-grad forwards in chunks of a micro-batch's rows
+        inputs = (
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            agent.args.per_device_train_batch_size,
+        )  # no-grad forwards in chunks of a micro-batch's rows
         logps = sequence_logps(agent.model, *inputs)
         policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
         if not self.args.use_reference_model:
@@ -206,7 +244,8 @@ def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, tor
         "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
         "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
         "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
-        "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0,
-                               padding_side="right").to(device),
+        "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right").to(
+            device
+        ),
         "pair_weight": torch.tensor(weight, device=device),
     }

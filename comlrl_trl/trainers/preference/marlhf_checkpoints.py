@@ -92,9 +92,16 @@ class PreferenceCheckpoints:
 
     def _write_checkpoint(self, rl_checkpoint: str | None) -> None:
         rl = self.rl_trainer
-        final = save_staged(self._checkpoint_dir, f"checkpoint-{self._sequence}", self._staging_token,
-                            lambda staging: self._write_checkpoint_files(staging, rl_checkpoint), rl.accelerator,
-                            rl.args.should_save, self._checkpoint_total_limit, self._run_id)
+        final = save_staged(
+            self._checkpoint_dir,
+            f"checkpoint-{self._sequence}",
+            self._staging_token,
+            lambda staging: self._write_checkpoint_files(staging, rl_checkpoint),
+            rl.accelerator,
+            rl.args.should_save,
+            self._checkpoint_total_limit,
+            self._run_id,
+        )
         self._assets = (self.iteration, os.path.join(final, "preference"))
 
     def _write_checkpoint_files(self, staging: str, rl_checkpoint: str | None) -> None:
@@ -133,14 +140,24 @@ class PreferenceCheckpoints:
 
     def _progress_state(self) -> dict[str, Any]:
         rl = self.rl_trainer
-        return {"iteration": self.iteration, "env_step": rl.env_step,
-                "total_pairs": self._total_pairs, "log_history": self.log_history,
-                "objects": objects_state(self._stateful_objects())}
+        return {
+            "iteration": self.iteration,
+            "env_step": rl.env_step,
+            "total_pairs": self._total_pairs,
+            "log_history": self.log_history,
+            "objects": objects_state(self._stateful_objects()),
+        }
 
     def _checkpoint_metadata(self) -> dict[str, Any]:
-        return {"version": CHECKPOINT_VERSION, "trainer_class": self._class_path(), "sequence": self._sequence,
-                "run_id": self._run_id, "wandb": self.rl_trainer.wandb_identity(),
-                "iteration": self.iteration, "compat": self._compatibility()}
+        return {
+            "version": CHECKPOINT_VERSION,
+            "trainer_class": self._class_path(),
+            "sequence": self._sequence,
+            "run_id": self._run_id,
+            "wandb": self.rl_trainer.wandb_identity(),
+            "iteration": self.iteration,
+            "compat": self._compatibility(),
+        }
 
     def _class_path(self) -> str:
         return f"{type(self).__module__}.{type(self).__qualname__}"
@@ -156,22 +173,43 @@ class PreferenceCheckpoints:
             "tokenizers": [tokenizer_fingerprint(tokenizer) for tokenizer in rl.tokenizers],
             "reward_tokenizer": tokenizer_fingerprint(self.reward_tokenizer),
             "reward_peft": self.reward_peft_config is not None,
-            **{name: getattr(args, name) for name in (
-                "rl_algorithm", "num_generations", "preference_num_candidates", "preference_pairs_per_sample",
-                "pair_selection", "reward_freeze_backbone", "reward_max_length")},
-            **result_settings(args, extra=("reward_model_name", "reward_learning_rate", "reward_train_batch_size",
-                                           "reward_center_rewards_coefficient", "reward_use_margin",
-                                           "use_separate_critic", "rl_num_iterations"),
-                               # MARLHFIter's num_iterations counts preference iterations (GRPO's mu is
-                               # rl_num_iterations there): it may grow
-                               exclude=("num_iterations",) if hasattr(args, "rl_num_iterations") else ()),
+            **{
+                name: getattr(args, name)
+                for name in (
+                    "rl_algorithm",
+                    "num_generations",
+                    "preference_num_candidates",
+                    "preference_pairs_per_sample",
+                    "pair_selection",
+                    "reward_freeze_backbone",
+                    "reward_max_length",
+                )
+            },
+            **result_settings(
+                args,
+                extra=(
+                    "reward_model_name",
+                    "reward_learning_rate",
+                    "reward_train_batch_size",
+                    "reward_center_rewards_coefficient",
+                    "reward_use_margin",
+                    "use_separate_critic",
+                    "rl_num_iterations",
+                ),
+                # MARLHFIter's num_iterations counts preference iterations (GRPO's mu is
+                # rl_num_iterations there): it may grow
+                exclude=("num_iterations",) if hasattr(args, "rl_num_iterations") else (),
+            ),
         }
 
     def _stateful_objects(self) -> dict[str, Any]:
         """User objects with `state_dict`/`load_state_dict`: the task reward and its processor, the joint formatter,
         and those the RL stage trainer keeps (datasets, formatters, callbacks)."""
-        candidates = {"reward_func": self.task_reward.reward_func, "reward_processor": self.task_reward.reward_processor,
-                      "joint_formatter": self.joint_formatter}
+        candidates = {
+            "reward_func": self.task_reward.reward_func,
+            "reward_processor": self.task_reward.reward_processor,
+            "joint_formatter": self.joint_formatter,
+        }
         objects = {f"rl_stage/{name}": obj for name, obj in self.rl_trainer.stateful_objects().items()}
         return {**objects, **stateful_objects(candidates)}
 
@@ -182,8 +220,9 @@ class PreferenceCheckpoints:
             root = self._checkpoint_dir
             resume = latest_checkpoint(root) if root is not None else None
             if resume is None:
-                raise FileNotFoundError(f"resume_from_checkpoint=True but checkpoint_dir={root!r} holds no complete "
-                                        "checkpoint.")
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint=True but checkpoint_dir={root!r} holds no complete checkpoint."
+                )
         return None if resume in (None, False) else os.fspath(resume)
 
     def _restore(self, checkpoint: str) -> tuple[str | None, int | None]:
@@ -192,8 +231,10 @@ class PreferenceCheckpoints:
         check_compatible(metadata["compat"], self._compatibility(), checkpoint)
         state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
         if state["iteration"] >= self.num_iterations:
-            raise ValueError(f"{checkpoint} is in iteration {state['iteration'] + 1}, but this run has "
-                             f"num_iterations={self.num_iterations}; num_iterations counts the whole run.")
+            raise ValueError(
+                f"{checkpoint} is in iteration {state['iteration'] + 1}, but this run has "
+                f"num_iterations={self.num_iterations}; num_iterations counts the whole run."
+            )
         self._run_id, self._sequence = metadata["run_id"], metadata["sequence"]
         self.iteration, self._total_pairs = state["iteration"], state["total_pairs"]
         self.log_history = list(state["log_history"])

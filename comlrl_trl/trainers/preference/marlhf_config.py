@@ -104,7 +104,8 @@ class MARLHFConfig(PreferenceConfig):
         default=False, metadata={"help": "Use each pair's task-reward gap as the Bradley-Terry margin."}
     )
     preference_output_dir: str | None = field(
-        default=None, metadata={"help": "Write the preference pairs of every iteration here (JSON); None: not written."}
+        default=None,
+        metadata={"help": "Write the preference pairs of every iteration here (JSON); None: not written."},
     )
     critic_model_name: str | None = field(default=None, metadata={"help": "Critic source for iac/maac."})
     critic_learning_rate: float | None = field(default=None, metadata={"help": "Critic learning rate (iac/maac)."})
@@ -133,9 +134,15 @@ class MARLHFConfig(PreferenceConfig):
     def _check_num_generations(self):
         if not self.uses_actor_critic:
             return super()._check_num_generations()
-        if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) or self.num_generations < 1:
-            raise ValueError(f"num_generations must be an integer >= 1 with rl_algorithm={self.rl_algorithm!r}, "
-                             f"got {self.num_generations!r}.")
+        if (
+            isinstance(self.num_generations, bool)
+            or not isinstance(self.num_generations, int)
+            or self.num_generations < 1
+        ):
+            raise ValueError(
+                f"num_generations must be an integer >= 1 with rl_algorithm={self.rl_algorithm!r}, "
+                f"got {self.num_generations!r}."
+            )
 
     def _grpo_post_init(self):
         if self.num_generations != 1:
@@ -144,12 +151,15 @@ class MARLHFConfig(PreferenceConfig):
 
     def _validate_rl_fields(self):
         if self.rl_algorithm not in RL_STAGE_ALGORITHMS:
-            raise ValueError(f"rl_algorithm must be one of {', '.join(map(repr, RL_STAGE_ALGORITHMS))}; "
-                             f"got {self.rl_algorithm!r}.")
+            raise ValueError(
+                f"rl_algorithm must be one of {', '.join(map(repr, RL_STAGE_ALGORITHMS))}; got {self.rl_algorithm!r}."
+            )
         expected = get_algorithm(self.rl_algorithm).advantage_mode or "mean"  # the REINFORCE family's baseline
         if self.advantage_mode is not None and self.advantage_mode != expected:
-            raise ValueError(f"advantage_mode={self.advantage_mode!r} conflicts with rl_algorithm="
-                             f"{self.rl_algorithm!r} (which uses {expected!r}); set only rl_algorithm.")
+            raise ValueError(
+                f"advantage_mode={self.advantage_mode!r} conflicts with rl_algorithm="
+                f"{self.rl_algorithm!r} (which uses {expected!r}); set only rl_algorithm."
+            )
         self.advantage_mode = expected
         validate_critic_fields(self)
 
@@ -170,8 +180,10 @@ class MARLHFConfig(PreferenceConfig):
             try:
                 torch.device(self.reward_model_device)
             except (RuntimeError, TypeError) as error:
-                raise ValueError(f"reward_model_device={self.reward_model_device!r} is not a torch device "
-                                 "(e.g. 'cpu', 'cuda:1'); None uses the trainer's device.") from error
+                raise ValueError(
+                    f"reward_model_device={self.reward_model_device!r} is not a torch device "
+                    "(e.g. 'cpu', 'cuda:1'); None uses the trainer's device."
+                ) from error
 
 
 @dataclass
@@ -213,8 +225,11 @@ def _explicit_fields(config) -> dict[str, Any]:
     for f in fields(config):
         if not f.init:
             continue
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else MISSING)
+        )
         value = getattr(config, f.name)
         if default is MISSING or value != default:
             explicit[f.name] = copy.deepcopy(value)

@@ -117,12 +117,28 @@ class MARLHFTrainer(PreferenceCheckpoints):
             raise TypeError(f"args must be a {self.config_cls.__name__}, got {type(args).__name__}.")
         sources = resolve_agent_sources(agent_model, agents, num_agents, args)
         args = args if args is not None else self.config_cls(num_agents=len(sources))
-        _validate_inputs(args, reward_func, train_dataset, critic_model, critics, metrics_callback, model_config,
-                         critic_peft_config, eval_logger, eval_aggregator, reward_peft_config, joint_formatter)
+        _validate_inputs(
+            args,
+            reward_func,
+            train_dataset,
+            critic_model,
+            critics,
+            metrics_callback,
+            model_config,
+            critic_peft_config,
+            eval_logger,
+            eval_aggregator,
+            reward_peft_config,
+            joint_formatter,
+        )
         self.args = args
         self.reward_model_name = args.reward_model_name or default_source(sources, "reward model", "reward_model_name")
-        if args.uses_actor_critic and critic_model is None and critics is None and (
-                args.rl_algorithm == "maac" or args.use_separate_critic):
+        if (
+            args.uses_actor_critic
+            and critic_model is None
+            and critics is None
+            and (args.rl_algorithm == "maac" or args.use_separate_critic)
+        ):
             critic_model = args.critic_model_name or default_source(sources, "critic", "critic_model_name")
         self.formatters = build_formatters(formatters, len(sources))
         self.task_reward = JointReward(reward_func, reward_processor)
@@ -135,12 +151,28 @@ class MARLHFTrainer(PreferenceCheckpoints):
         args.fit_precision_to_models([*sources, self.reward_model_name])
         self._reward_args = _reward_config(args)
         self.rl_trainer = build_stage_trainer(
-            args, stage_config(args, self._rl_num_iterations()), self.learned_reward, agent_model=agent_model,
-            agents=agents, num_agents=num_agents, tokenizer=tokenizer, formatters=self.formatters,
-            train_dataset=train_dataset, eval_dataset=eval_dataset, external_transition=external_transition,
-            wandb_config=wandb_config, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
-            peft_config=peft_config, callbacks=callbacks, critic_model=critic_model, critics=critics,
-            metrics_callback=metrics_callback, model_config=model_config, critic_peft_config=critic_peft_config)
+            args,
+            stage_config(args, self._rl_num_iterations()),
+            self.learned_reward,
+            agent_model=agent_model,
+            agents=agents,
+            num_agents=num_agents,
+            tokenizer=tokenizer,
+            formatters=self.formatters,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            external_transition=external_transition,
+            wandb_config=wandb_config,
+            eval_logger=eval_logger,
+            eval_aggregator=eval_aggregator,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            critic_model=critic_model,
+            critics=critics,
+            metrics_callback=metrics_callback,
+            model_config=model_config,
+            critic_peft_config=critic_peft_config,
+        )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_model: PreTrainedModel | None = None
         self.preference_pairs: list[PreferencePair] = []
@@ -170,8 +202,13 @@ class MARLHFTrainer(PreferenceCheckpoints):
 
     # ----- training -----
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, checkpoint_dir: str | os.PathLike | None = None,
-              checkpoint_interval: int = 1, checkpoint_total_limit: int | None = None):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_interval: int = 1,
+        checkpoint_total_limit: int | None = None,
+    ):
         """Run every iteration: pairs, reward model, online RL (see the class).
 
         Args:
@@ -186,8 +223,10 @@ class MARLHFTrainer(PreferenceCheckpoints):
         Returns the last RL stage's `TrainOutput`.
         """
         if self.train_dataset is None:
-            raise ValueError(f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
-                             "pass train_dataset=... when building it to train.")
+            raise ValueError(
+                f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
+                "pass train_dataset=... when building it to train."
+            )
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
         lock = self._claim_checkpoint_dir()
         try:
@@ -231,9 +270,16 @@ class MARLHFTrainer(PreferenceCheckpoints):
             save_pairs(os.path.join(self._pairs_dir, f"pairs_iteration_{iteration + 1:04d}.json"), pairs)
         with _preserved_rng():  # the reward model's seeding must not change the agents' sampling
             output = self._train_reward_model(pairs, iteration)
-        self.log({"iter/iteration": iteration + 1, **pair_statistics(pairs, len(self.train_dataset)),
-                  "preference/candidate_reward_mean": candidate_mean, "iter/total_preference_pairs": self._total_pairs,
-                  "reward_model/train_loss": output.training_loss, **self._reward_model_metrics(pairs)})
+        self.log(
+            {
+                "iter/iteration": iteration + 1,
+                **pair_statistics(pairs, len(self.train_dataset)),
+                "preference/candidate_reward_mean": candidate_mean,
+                "iter/total_preference_pairs": self._total_pairs,
+                "reward_model/train_loss": output.training_loss,
+                **self._reward_model_metrics(pairs),
+            }
+        )
 
     def _collect_pairs(self, iteration: int) -> tuple[list[PreferencePair], float]:
         """Sample C joint candidates per training item with the current agents; rank them with the task reward."""
@@ -248,14 +294,20 @@ class MARLHFTrainer(PreferenceCheckpoints):
             indices, kept = even_shard(len(self.train_dataset), process, processes)
             for position, index in enumerate(indices):
                 item = self.train_dataset[index]
-                prompts = [format_prompt(formatter, item, a, label=f"task item {index}") for a, formatter in enumerate(self.formatters)]
+                prompts = [
+                    format_prompt(formatter, item, a, label=f"task item {index}")
+                    for a, formatter in enumerate(self.formatters)
+                ]
                 candidates = sample_candidates(rl, prompts, count)
                 if position >= kept:
                     continue  # a repeated item, sampled only to keep the processes in step
                 rewards = self.task_reward(candidates, item, f"task item {index} (preference candidates)")
                 rng = pair_rng(args.seed, iteration, index) if args.pair_selection == "random" else None
-                pairs.extend(pairs_from_candidates(index, prompts, candidates, rewards, args.pair_selection,
-                                                   args.preference_pairs_per_sample, rng))
+                pairs.extend(
+                    pairs_from_candidates(
+                        index, prompts, candidates, rewards, args.pair_selection, args.preference_pairs_per_sample, rng
+                    )
+                )
                 means.append(sum(rewards) / len(rewards))
         finally:
             for agent, was_training in zip(rl.agent_trainers, training):
@@ -281,9 +333,13 @@ class MARLHFTrainer(PreferenceCheckpoints):
         reward_args.seed = self.args.seed + iteration
         with active_deepspeed_plugin(reward_args.deepspeed_plugin):
             model = self._new_reward_model(iteration)
-            trainer = JointRewardTrainer(model=model, args=reward_args, train_dataset=Dataset.from_list(rows),
-                                         processing_class=self.reward_tokenizer,
-                                         freeze_backbone=self.args.reward_freeze_backbone)
+            trainer = JointRewardTrainer(
+                model=model,
+                args=reward_args,
+                train_dataset=Dataset.from_list(rows),
+                processing_class=self.reward_tokenizer,
+                freeze_backbone=self.args.reward_freeze_backbone,
+            )
             trainer.remove_callback(PrinterCallback)  # this trainer logs the stage's metrics itself (self.log)
             trainer.remove_callback(ProgressCallback)
             output = trainer.train()
@@ -305,18 +361,23 @@ class MARLHFTrainer(PreferenceCheckpoints):
     def _set_reward_model(self, model: PreTrainedModel) -> None:
         device = self.args.reward_model_device or self.rl_trainer.accelerator.device
         self.reward_model = model
-        self.learned_reward.scorer = RewardModelScorer(model, self.reward_tokenizer, self.args.reward_max_length,
-                                                       self.args.per_device_eval_batch_size, device)
+        self.learned_reward.scorer = RewardModelScorer(
+            model, self.reward_tokenizer, self.args.reward_max_length, self.args.per_device_eval_batch_size, device
+        )
 
     def _reward_model_metrics(self, pairs: list[PreferencePair]) -> dict[str, float]:
         """The trained reward model on its own pairs: accuracy, mean score margin and Bradley-Terry loss."""
         scorer = self.learned_reward.scorer
         chosen = torch.tensor(scorer.score([self.joint_formatter(p.prompts, p.chosen) for p in pairs]))
         rejected = torch.tensor(scorer.score([self.joint_formatter(p.prompts, p.rejected) for p in pairs]))
-        margin = torch.tensor([p.chosen_reward - p.rejected_reward for p in pairs]) if self.args.reward_use_margin else 0.0
-        return {"reward_model/accuracy": (chosen > rejected).float().mean().item(),
-                "reward_model/margin": (chosen - rejected).mean().item(),
-                "reward_model/loss": F.softplus(-(chosen - rejected - margin)).mean().item()}
+        margin = (
+            torch.tensor([p.chosen_reward - p.rejected_reward for p in pairs]) if self.args.reward_use_margin else 0.0
+        )
+        return {
+            "reward_model/accuracy": (chosen > rejected).float().mean().item(),
+            "reward_model/margin": (chosen - rejected).mean().item(),
+            "reward_model/loss": F.softplus(-(chosen - rejected - margin)).mean().item(),
+        }
 
     def _rl_stage(self, rl_resume: str | None, rl_step: int | None, checkpoint: str | None):
         rl = self.rl_trainer
@@ -389,11 +450,21 @@ def _reward_config(args: MARLHFConfig) -> RewardConfig:
     """TRL's RewardConfig of the reward-model stage. Its output_dir is the run's, which the team trainer creates
     anyway; nothing is saved there (save_strategy "no"), so nothing lands in the working directory."""
     return RewardConfig(
-        output_dir=args.output_dir, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        learning_rate=args.reward_learning_rate, num_train_epochs=args.reward_num_train_epochs,
-        per_device_train_batch_size=args.reward_train_batch_size, max_length=args.reward_max_length,
-        center_rewards_coefficient=args.reward_center_rewards_coefficient, seed=args.seed, use_cpu=args.use_cpu,
-        bf16=args.bf16, fp16=args.fp16, gradient_checkpointing=False,
+        output_dir=args.output_dir,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        learning_rate=args.reward_learning_rate,
+        num_train_epochs=args.reward_num_train_epochs,
+        per_device_train_batch_size=args.reward_train_batch_size,
+        max_length=args.reward_max_length,
+        center_rewards_coefficient=args.reward_center_rewards_coefficient,
+        seed=args.seed,
+        use_cpu=args.use_cpu,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        gradient_checkpointing=False,
     )
 
 
@@ -409,8 +480,12 @@ def _output_dir(directory: str | None, resume: str | None, sequence: int) -> str
 
 @contextlib.contextmanager
 def _preserved_rng():
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    states = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
     try:
         yield
     finally:
@@ -421,25 +496,46 @@ def _preserved_rng():
             torch.cuda.set_rng_state_all(states[3])
 
 
-def _validate_inputs(args, reward_func, train_dataset, critic_model, critics, metrics_callback, model_config,
-                     critic_peft_config, eval_logger, eval_aggregator, reward_peft_config, joint_formatter) -> None:
+def _validate_inputs(
+    args,
+    reward_func,
+    train_dataset,
+    critic_model,
+    critics,
+    metrics_callback,
+    model_config,
+    critic_peft_config,
+    eval_logger,
+    eval_aggregator,
+    reward_peft_config,
+    joint_formatter,
+) -> None:
     if reward_func is None:
         raise ValueError("reward_func is required: the task reward labels the preference pairs and scores evaluation.")
     if train_dataset is not None and not isinstance(train_dataset, Dataset):
-        raise TypeError(f"train_dataset must be a datasets.Dataset (pairs are collected over all of it), got "
-                        f"{type(train_dataset).__name__}.")
+        raise TypeError(
+            f"train_dataset must be a datasets.Dataset (pairs are collected over all of it), got "
+            f"{type(train_dataset).__name__}."
+        )
     check_callable(joint_formatter, "joint_formatter (prompts, completions) -> str")
     if args.save_strategy != "no":
         raise ValueError("MARLHF saves checkpoints through train(checkpoint_dir=...); leave save_strategy='no'.")
     if args.reward_freeze_backbone and reward_peft_config is not None:
-        raise ValueError("reward_freeze_backbone=True trains only the reward head, so reward_peft_config has nothing "
-                         "to adapt; use one or the other.")
-    ac_only = {"critic_model": critic_model, "critics": critics, "metrics_callback": metrics_callback,
-               "model_config": model_config, "critic_peft_config": critic_peft_config}
+        raise ValueError(
+            "reward_freeze_backbone=True trains only the reward head, so reward_peft_config has nothing "
+            "to adapt; use one or the other."
+        )
+    ac_only = {
+        "critic_model": critic_model,
+        "critics": critics,
+        "metrics_callback": metrics_callback,
+        "model_config": model_config,
+        "critic_peft_config": critic_peft_config,
+    }
     given = [name for name, value in ac_only.items() if value is not None]
     if given and not args.uses_actor_critic:
-        raise ValueError(f"{', '.join(given)} only apply to rl_algorithm 'iac' or 'maac' (got "
-                         f"{args.rl_algorithm!r}).")
+        raise ValueError(f"{', '.join(given)} only apply to rl_algorithm 'iac' or 'maac' (got {args.rl_algorithm!r}).")
     if args.uses_actor_critic and (eval_logger is not None or eval_aggregator is not None):
-        raise ValueError("eval_logger/eval_aggregator apply to the REINFORCE family; actor-critic stages take "
-                         "metrics_callback.")
+        raise ValueError(
+            "eval_logger/eval_aggregator apply to the REINFORCE family; actor-critic stages take metrics_callback."
+        )

@@ -26,8 +26,10 @@ class PreferencePair:
     candidate_reward_mean: float  # mean task reward of all candidates of the item
 
     def reward_model_row(self, joint_formatter: Callable, use_margin: bool) -> dict[str, Any]:
-        row = {"chosen": joint_formatter(self.prompts, self.chosen),
-               "rejected": joint_formatter(self.prompts, self.rejected)}
+        row = {
+            "chosen": joint_formatter(self.prompts, self.chosen),
+            "rejected": joint_formatter(self.prompts, self.rejected),
+        }
         if use_margin:
             row["margin"] = self.chosen_reward - self.rejected_reward
         return row
@@ -45,8 +47,15 @@ def pairs_from_candidates(
     """The preference pairs of one task item from its C joint candidates (`candidates[agent][j]`) and their rewards."""
     mean = sum(rewards) / len(rewards)
     return [
-        PreferencePair(item_index, list(prompts), [c[i] for c in candidates], [c[j] for c in candidates],
-                       rewards[i], rewards[j], mean)
+        PreferencePair(
+            item_index,
+            list(prompts),
+            [c[i] for c in candidates],
+            [c[j] for c in candidates],
+            rewards[i],
+            rewards[j],
+            mean,
+        )
         for i, j in select_preference_pairs(rewards, selection, max_pairs, rng)
     ]
 
@@ -74,6 +83,7 @@ def pair_statistics(pairs: list[PreferencePair], num_items: int) -> dict[str, fl
     if pairs:
         stats["preference/chosen_reward_mean"] = sum(p.chosen_reward for p in pairs) / len(pairs)
         stats["preference/rejected_reward_mean"] = sum(p.rejected_reward for p in pairs) / len(pairs)
-        stats["preference/reward_gap_mean"] = stats["preference/chosen_reward_mean"] - stats[
-            "preference/rejected_reward_mean"]
+        stats["preference/reward_gap_mean"] = (
+            stats["preference/chosen_reward_mean"] - stats["preference/rejected_reward_mean"]
+        )
     return stats

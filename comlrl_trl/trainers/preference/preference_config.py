@@ -44,20 +44,27 @@ class PreferenceConfig(MAGRPOConfig):
         name = type(self).__name__
         count = self.preference_num_candidates
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:
-            raise ValueError(f"preference_num_candidates must be an integer >= 2 (a pair needs two candidates), "
-                             f"got {count!r}.")
+            raise ValueError(
+                f"preference_num_candidates must be an integer >= 2 (a pair needs two candidates), got {count!r}."
+            )
         if self.pair_selection not in PAIR_SELECTIONS:
-            raise ValueError(f"pair_selection must be one of {', '.join(map(repr, PAIR_SELECTIONS))}; "
-                             f"got {self.pair_selection!r}.")
+            raise ValueError(
+                f"pair_selection must be one of {', '.join(map(repr, PAIR_SELECTIONS))}; got {self.pair_selection!r}."
+            )
         cap = self.preference_pairs_per_sample
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"preference_pairs_per_sample must be a positive integer or None, got {cap!r}.")
         if self.pair_selection == "all" and cap is not None:
-            raise ValueError("preference_pairs_per_sample must be None with pair_selection='all' (every pair is kept); "
-                             f"got {cap}.")
+            raise ValueError(
+                f"preference_pairs_per_sample must be None with pair_selection='all' (every pair is kept); got {cap}."
+            )
         if self.num_turns != 1:
-            raise ValueError(f"{name} supports num_turns=1 only (preferences compare single-turn joint responses), "
-                             f"got num_turns={self.num_turns}.")
+            raise ValueError(
+                f"{name} supports num_turns=1 only (preferences compare single-turn joint responses), "
+                f"got num_turns={self.num_turns}."
+            )
         if self.joint_mode != "align":
-            raise ValueError(f"{name} supports joint_mode='align' only (candidate j is the j-th completion of every "
-                             f"agent), got {self.joint_mode!r}.")
+            raise ValueError(
+                f"{name} supports joint_mode='align' only (candidate j is the j-th completion of every "
+                f"agent), got {self.joint_mode!r}."
+            )

@@ -46,8 +46,9 @@ def reward_head(model: torch.nn.Module) -> torch.nn.Module:
         head = getattr(base, name, None)
         if isinstance(head, torch.nn.Module):
             return head
-    raise ValueError(f"{type(base).__name__} has no reward head named {' or '.join(_HEAD_NAMES)}; "
-                     "reward_freeze_backbone needs one.")
+    raise ValueError(
+        f"{type(base).__name__} has no reward head named {' or '.join(_HEAD_NAMES)}; reward_freeze_backbone needs one."
+    )
 
 
 def freeze_reward_backbone(model: torch.nn.Module) -> None:
@@ -57,7 +58,9 @@ def freeze_reward_backbone(model: torch.nn.Module) -> None:
     head.requires_grad_(True)
 
 
-def encode_joint_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int | None) -> list[list[int]]:
+def encode_joint_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int | None
+) -> list[list[int]]:
     """Token ids of joint texts for the reward model: truncated to `max_length - 1` tokens, then EOS.
 
     Training and scoring both use this function, so the reward model sees the same inputs in both.
@@ -89,28 +92,51 @@ class JointRewardTrainer(RewardTrainerAdapter):
 
     model_tags = ("trl", "reward-trainer", "comlrl_trl", "marlhf")
 
-    def __init__(self, model, args=None, train_dataset=None, processing_class=None, peft_config=None,
-                 freeze_backbone: bool = False, **kwargs):
+    def __init__(
+        self,
+        model,
+        args=None,
+        train_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        freeze_backbone: bool = False,
+        **kwargs,
+    ):
         if freeze_backbone and peft_config is not None:
-            raise ValueError("reward_freeze_backbone=True trains only the head, so a reward peft_config has nothing "
-                             "to adapt; use one or the other.")
-        super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         peft_config=peft_config, **kwargs)
+            raise ValueError(
+                "reward_freeze_backbone=True trains only the head, so a reward peft_config has nothing "
+                "to adapt; use one or the other."
+            )
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+            **kwargs,
+        )
         if freeze_backbone:
             freeze_reward_backbone(self.model)
 
     def tokenize_row(self, row: dict[str, Any], processing_class, args) -> dict[str, list[int]]:
         prefix = row.get("prompt") or ""
-        chosen, rejected = encode_joint_texts(processing_class, [prefix + row["chosen"], prefix + row["rejected"]],
-                                              args.max_length)
+        chosen, rejected = encode_joint_texts(
+            processing_class, [prefix + row["chosen"], prefix + row["rejected"]], args.max_length
+        )
         return {"chosen_ids": chosen, "rejected_ids": rejected}
 
 
 class RewardModelScorer:
     """Scores joint texts with a frozen reward model: right padding, the logit at the last non-pad token."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int | None,
-                 batch_size: int = 8, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int | None,
+        batch_size: int = 8,
+        device: torch.device | str | None = None,
+    ):
         self.model = model.eval().requires_grad_(False)
         if device is not None:
             self.model.to(device)
@@ -128,11 +154,12 @@ class RewardModelScorer:
         encoded = encode_joint_texts(self.tokenizer, texts, self.max_length)
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(encoded), self.batch_size):
-            batch = encoded[start:start + self.batch_size]
+            batch = encoded[start : start + self.batch_size]
             width = max(len(ids) for ids in batch)
             input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in batch], device=self.device)
-            attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch],
-                                          device=self.device)
+            attention_mask = torch.tensor(
+                [[1] * len(ids) + [0] * (width - len(ids)) for ids in batch], device=self.device
+            )
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             scores.extend(logits[:, 0].float().tolist())
         return scores

@@ -19,12 +19,27 @@ from .reward_model import LearnedJointReward
 
 
 # MARLHF fields that configure the preference stages, never the RL stage's own configuration.
-_PREFERENCE_FIELDS = frozenset({
-    "rl_algorithm", "advantage_mode", "preference_num_candidates", "preference_pairs_per_sample", "pair_selection",
-    "reward_model_name", "reward_model_device", "reward_learning_rate", "reward_num_train_epochs",
-    "reward_train_batch_size", "reward_max_length", "reward_freeze_backbone", "reward_center_rewards_coefficient",
-    "reward_use_margin", "preference_output_dir", "critic_model_name", "rl_num_iterations",
-})
+_PREFERENCE_FIELDS = frozenset(
+    {
+        "rl_algorithm",
+        "advantage_mode",
+        "preference_num_candidates",
+        "preference_pairs_per_sample",
+        "pair_selection",
+        "reward_model_name",
+        "reward_model_device",
+        "reward_learning_rate",
+        "reward_num_train_epochs",
+        "reward_train_batch_size",
+        "reward_max_length",
+        "reward_freeze_backbone",
+        "reward_center_rewards_coefficient",
+        "reward_use_margin",
+        "preference_output_dir",
+        "critic_model_name",
+        "rl_num_iterations",
+    }
+)
 
 
 class TaskRewardEvaluation:
@@ -74,34 +89,75 @@ def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
         return config
     config_cls = get_algorithm(args.rl_algorithm).config_cls
     known = {f for f in config_cls.__dataclass_fields__ if config_cls.__dataclass_fields__[f].init}
-    kwargs = {name: value for name, value in args.explicit_fields().items()
-              if name in known and name not in _PREFERENCE_FIELDS}
+    kwargs = {
+        name: value
+        for name, value in args.explicit_fields().items()
+        if name in known and name not in _PREFERENCE_FIELDS
+    }
     kwargs["num_generations"] = args.num_generations
     if rl_num_iterations is not None:  # MARLHFIterConfig: num_iterations counts preference iterations
         kwargs["num_iterations"] = rl_num_iterations
     return config_cls(**kwargs)
 
 
-def build_stage_trainer(args: MARLHFConfig, stage_args, learned_reward: LearnedJointReward, *, agent_model, agents,
-                        num_agents, tokenizer, formatters, train_dataset, eval_dataset, external_transition,
-                        wandb_config, eval_logger, eval_aggregator, peft_config, callbacks, critic_model, critics,
-                        metrics_callback, model_config, critic_peft_config) -> MAGRPOTrainer:
+def build_stage_trainer(
+    args: MARLHFConfig,
+    stage_args,
+    learned_reward: LearnedJointReward,
+    *,
+    agent_model,
+    agents,
+    num_agents,
+    tokenizer,
+    formatters,
+    train_dataset,
+    eval_dataset,
+    external_transition,
+    wandb_config,
+    eval_logger,
+    eval_aggregator,
+    peft_config,
+    callbacks,
+    critic_model,
+    critics,
+    metrics_callback,
+    model_config,
+    critic_peft_config,
+) -> MAGRPOTrainer:
     """The stage trainer for `args.rl_algorithm`, rewarded by `learned_reward` (no reward processor: learned scores
     are used as they are)."""
-    common = dict(agent_model=agent_model, agents=agents, tokenizer=tokenizer, formatters=formatters,
-                  reward_func=learned_reward, reward_processor=None, train_dataset=train_dataset,
-                  eval_dataset=eval_dataset, args=stage_args, external_transition=external_transition,
-                  wandb_config=wandb_config, peft_config=peft_config, callbacks=callbacks)
+    common = dict(
+        agent_model=agent_model,
+        agents=agents,
+        tokenizer=tokenizer,
+        formatters=formatters,
+        reward_func=learned_reward,
+        reward_processor=None,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        args=stage_args,
+        external_transition=external_transition,
+        wandb_config=wandb_config,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
     if args.uses_actor_critic:
         trainer_cls = ACTOR_CRITIC_STAGES[args.rl_algorithm]
         if args.rl_algorithm == "maac" and args.critic_value_head_hidden_dim is not None:
             # MAAC takes its critic head size through model_config; MARLHFConfig has a field for it
             model_config = {**(model_config or {}), "critic_value_head_hidden_dim": args.critic_value_head_hidden_dim}
-        trainer = trainer_cls(critic_model=critic_model, critics=critics, model_config=model_config,
-                              metrics_callback=metrics_callback, critic_peft_config=critic_peft_config, **common)
+        trainer = trainer_cls(
+            critic_model=critic_model,
+            critics=critics,
+            model_config=model_config,
+            metrics_callback=metrics_callback,
+            critic_peft_config=critic_peft_config,
+            **common,
+        )
     else:
-        trainer = MAGRPOStageTrainer(num_agents=num_agents, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
-                                     **common)
+        trainer = MAGRPOStageTrainer(
+            num_agents=num_agents, eval_logger=eval_logger, eval_aggregator=eval_aggregator, **common
+        )
     trainer.learned_reward = learned_reward
     return trainer
 
@@ -111,8 +167,10 @@ def sample_candidates(trainer: MAGRPOTrainer, prompts: list[Any], count: int) ->
 
     Returns `[agent][candidate]`; candidate j of every agent forms joint candidate j.
     """
-    return [[completion_text(c) for c in agent.generate([prompts[a]] * count).completions]
-            for a, agent in enumerate(trainer.agent_trainers)]
+    return [
+        [completion_text(c) for c in agent.generate([prompts[a]] * count).completions]
+        for a, agent in enumerate(trainer.agent_trainers)
+    ]
 
 
 def default_source(sources: list, what: str, name_field: str) -> str:
@@ -120,8 +178,10 @@ def default_source(sources: list, what: str, name_field: str) -> str:
     names = []
     for source in sources:
         if not isinstance(source, str):
-            raise ValueError(f"{name_field} must be set in MARLHFConfig when the agents are model objects: they "
-                             f"carry no model id to load the {what} from.")
+            raise ValueError(
+                f"{name_field} must be set in MARLHFConfig when the agents are model objects: they "
+                f"carry no model id to load the {what} from."
+            )
         adapter = os.path.join(source, "adapter_config.json")
         if os.path.isfile(adapter):  # a saved LoRA agent: its base model
             with open(adapter) as f:

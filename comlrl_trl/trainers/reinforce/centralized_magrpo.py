@@ -35,8 +35,10 @@ class CentralizedMAGRPOConfig(MAGRPOConfig):
         if self.num_turns != 1:
             raise ValueError(f"CentralizedMAGRPOConfig supports num_turns=1 only, got {self.num_turns}.")
         if self.agent_overrides is not None:
-            raise ValueError("CentralizedMAGRPOConfig trains one policy: set its learning rate and sampling values on "
-                             "the configuration, not in agent_overrides.")
+            raise ValueError(
+                "CentralizedMAGRPOConfig trains one policy: set its learning rate and sampling values on "
+                "the configuration, not in agent_overrides."
+            )
         super().__post_init__()
 
 
@@ -91,7 +93,9 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         if roles != args.num_agents:
             raise ValueError(f"num_agents={roles} must equal args.num_agents={args.num_agents} (the role count).")
         if agents is not None and len(agents) != 1:
-            raise ValueError(f"Centralised MAGRPO trains one joint policy: agents must hold one model, got {len(agents)}.")
+            raise ValueError(
+                f"Centralised MAGRPO trains one joint policy: agents must hold one model, got {len(agents)}."
+            )
         if isinstance(tokenizer, (list, tuple)) and len(tokenizer) != 1:
             raise ValueError(f"Centralised MAGRPO has one policy: pass one tokenizer, got {len(tokenizer)}.")
         if reward_func is None:
@@ -101,9 +105,18 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         self.num_roles = roles
         policy_args = copy.deepcopy(args)  # a copy, not a new instance: that would reset Accelerate's state
         policy_args.num_agents = 1
-        super().__init__(agent_model=agent_model, agents=agents, num_agents=1, tokenizer=tokenizer,
-                         formatters=self.collaboration.build_prompt, reward_func=self.collaboration, args=policy_args,
-                         eval_logger=self._role_eval_logger(eval_logger), eval_aggregator=eval_aggregator, **kwargs)
+        super().__init__(
+            agent_model=agent_model,
+            agents=agents,
+            num_agents=1,
+            tokenizer=tokenizer,
+            formatters=self.collaboration.build_prompt,
+            reward_func=self.collaboration,
+            args=policy_args,
+            eval_logger=self._role_eval_logger(eval_logger),
+            eval_aggregator=eval_aggregator,
+            **kwargs,
+        )
 
     def _role_eval_logger(self, eval_logger: Callable | None) -> Callable | None:
         if eval_logger is None:
@@ -120,8 +133,10 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
 
     def stateful_objects(self) -> dict[str, Any]:
         objects = super().stateful_objects()
-        candidates = {"role_reward_func": self.collaboration.reward_func,
-                      "centralized_adapter": self.collaboration.adapter,
-                      **{f"role_formatter_{i}": f for i, f in enumerate(self.collaboration.formatters)}}
+        candidates = {
+            "role_reward_func": self.collaboration.reward_func,
+            "centralized_adapter": self.collaboration.adapter,
+            **{f"role_formatter_{i}": f for i, f in enumerate(self.collaboration.formatters)},
+        }
         objects.update(stateful_objects(candidates))
         return objects

@@ -149,16 +149,21 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         metadata={"help": "Divide advantages by the group std. None follows `scale_rewards` (default 'group')."},
     )
     agent_learning_rate: float | None = field(
-        default=None, metadata={"help": f"Agents' learning rate (alias of learning_rate, default {_DEFAULT_LEARNING_RATE})."}
+        default=None,
+        metadata={"help": f"Agents' learning rate (alias of learning_rate, default {_DEFAULT_LEARNING_RATE})."},
     )
     max_new_tokens: int | None = field(
         default=None,
-        metadata={"help": f"Max completion tokens (alias of max_completion_length, default {_DEFAULT_MAX_NEW_TOKENS})."},
+        metadata={
+            "help": f"Max completion tokens (alias of max_completion_length, default {_DEFAULT_MAX_NEW_TOKENS})."
+        },
     )
     agent_overrides: list[dict[str, Any]] | str | None = field(
         default=None,
-        metadata={"help": "One dict of per-agent settings per agent (learning_rate, lr_scheduler_type, weight_decay, "
-                          "temperature, top_p, top_k, max_new_tokens, generation_kwargs, ...); a JSON list here."},
+        metadata={
+            "help": "One dict of per-agent settings per agent (learning_rate, lr_scheduler_type, weight_decay, "
+            "temperature, top_p, top_k, max_new_tokens, generation_kwargs, ...); a JSON list here."
+        },
     )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
@@ -168,7 +173,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
 
     # TRL fields whose default changes here.
     learning_rate: float | None = field(
-        default=None, metadata={"help": f"Agents' learning rate (alias of agent_learning_rate, default {_DEFAULT_LEARNING_RATE})."}
+        default=None,
+        metadata={"help": f"Agents' learning rate (alias of agent_learning_rate, default {_DEFAULT_LEARNING_RATE})."},
     )
     max_completion_length: int | None = field(
         default=None,
@@ -193,11 +199,21 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     )
 
     def __post_init__(self):
-        self.learning_rate = _merge_alias("agent_learning_rate", self.agent_learning_rate, "learning_rate",
-                                          self.learning_rate, _DEFAULT_LEARNING_RATE)
+        self.learning_rate = _merge_alias(
+            "agent_learning_rate",
+            self.agent_learning_rate,
+            "learning_rate",
+            self.learning_rate,
+            _DEFAULT_LEARNING_RATE,
+        )
         self.agent_learning_rate = self.learning_rate
-        self.max_completion_length = _merge_alias("max_new_tokens", self.max_new_tokens, "max_completion_length",
-                                                  self.max_completion_length, _DEFAULT_MAX_NEW_TOKENS)
+        self.max_completion_length = _merge_alias(
+            "max_new_tokens",
+            self.max_new_tokens,
+            "max_completion_length",
+            self.max_completion_length,
+            _DEFAULT_MAX_NEW_TOKENS,
+        )
         self.max_new_tokens = self.max_completion_length
         self.advantage_normalization, self.scale_rewards = _merge_normalization(
             self.advantage_normalization, self.scale_rewards
@@ -269,26 +285,35 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
 
         def fits(items: int) -> bool:
             whole_epoch = num_items // (items * processes) * items * processes == kept
-            return whole_epoch and not (evaluates and self.eval_interval > 0 and self.eval_interval % (items * processes))
+            return whole_epoch and not (
+                evaluates and self.eval_interval > 0 and self.eval_interval % (items * processes)
+            )
 
         items = next((i for i in range(_DEFAULT_ITEMS_PER_STEP, 1, -1) if fits(i)), 1)  # 1: as TRL would do
         self.per_device_train_batch_size = items * self.num_generations
         self.generation_batch_size = self.per_device_train_batch_size * processes * self.steps_per_generation
 
     def _validate_multi_agent_fields(self):
-        if self.max_prompt_length is not None and (isinstance(self.max_prompt_length, bool)
-                                                   or not isinstance(self.max_prompt_length, int)
-                                                   or self.max_prompt_length < 1):
-            raise ValueError(f"max_prompt_length must be a positive integer or None (no limit), got "
-                             f"{self.max_prompt_length!r}.")
+        if self.max_prompt_length is not None and (
+            isinstance(self.max_prompt_length, bool)
+            or not isinstance(self.max_prompt_length, int)
+            or self.max_prompt_length < 1
+        ):
+            raise ValueError(
+                f"max_prompt_length must be a positive integer or None (no limit), got {self.max_prompt_length!r}."
+            )
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if isinstance(self.eval_interval, bool) or not isinstance(self.eval_interval, int) or self.eval_interval < 0:
-            raise ValueError(f"eval_interval must be an integer >= 0 (0: manual evaluation only), got {self.eval_interval!r}.")
+            raise ValueError(
+                f"eval_interval must be an integer >= 0 (0: manual evaluation only), got {self.eval_interval!r}."
+            )
         if not self.beta >= 0:
-            raise ValueError(f"beta is the KL coefficient and must be >= 0 (0: no reference model), got {self.beta!r}.")
+            raise ValueError(
+                f"beta is the KL coefficient and must be >= 0 (0: no reference model), got {self.beta!r}."
+            )
         if self.logging_steps < 1:
             raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
         _check_choice("joint_mode", self.joint_mode, ("align", "cross"))
@@ -304,10 +329,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         if not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}.")
         threshold = self.early_termination_threshold
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                      or not math.isfinite(threshold)):
-            raise ValueError(f"early_termination_threshold must be a finite number or None (always expand), got "
-                             f"{threshold!r}.")
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
+        ):
+            raise ValueError(
+                f"early_termination_threshold must be a finite number or None (always expand), got {threshold!r}."
+            )
         if self.turn_gradient_weights is not None:
             weights = list(self.turn_gradient_weights)
             if len(weights) != self.num_turns or not all(math.isfinite(w) and w >= 0 for w in weights):
@@ -420,6 +447,6 @@ def warn_if_cuda_expected() -> None:
         warnings.warn(
             f"{reason}, but torch {torch.__version__} ({build}) sees no GPU, so training runs on the CPU. Install a "
             "CUDA build of torch (README, 'GPU install': make install TORCH=...), or hide the GPU "
-            "(CUDA_VISIBLE_DEVICES=\"\") to train on the CPU on purpose.",
+            '(CUDA_VISIBLE_DEVICES="") to train on the CPU on purpose.',
             stacklevel=3,
         )

@@ -177,9 +177,14 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 peft_config=peft_configs[0],
             )
             followers = [
-                self.follower_cls(model=models[i], reward_funcs=[joint_reward], args=agent_args[i],
-                                  train_dataset=trl_dataset, processing_class=tokenizers[i],
-                                  peft_config=peft_configs[i])
+                self.follower_cls(
+                    model=models[i],
+                    reward_funcs=[joint_reward],
+                    args=agent_args[i],
+                    train_dataset=trl_dataset,
+                    processing_class=tokenizers[i],
+                    peft_config=peft_configs[i],
+                )
                 for i in range(1, n)
             ]
         for agent in [self, *followers]:
@@ -253,35 +258,56 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 continue
             for name, p in follower.model.named_parameters():
                 base = shared.get(name)
-                if (not p.requires_grad and base is not None and base.shape == p.shape and base.dtype == p.dtype
-                        and base.device == p.device and torch.equal(base, p)):
+                if (
+                    not p.requires_grad
+                    and base is not None
+                    and base.shape == p.shape
+                    and base.dtype == p.dtype
+                    and base.device == p.device
+                    and torch.equal(base, p)
+                ):
                     p.data = base.data
 
     def _start_generation_engines(self):
         """`use_vllm=True`: the team's vLLM engines, one per base model of LoRA agents, one per fully trained agent."""
         if importlib.util.find_spec("vllm") is None:
-            raise ImportError("use_vllm=True needs vLLM, which is not installed: `make install-vllm` (a venv with the "
-                              "CPU build) or `pip install 'comlrl-trl[vllm]'`.")
+            raise ImportError(
+                "use_vllm=True needs vLLM, which is not installed: `make install-vllm` (a venv with the "
+                "CPU build) or `pip install 'comlrl-trl[vllm]'`."
+            )
         from ...generation import TeamVLLM
 
         if self.args.vllm_mode != "colocate":
-            raise ValueError(f"vllm_mode={self.args.vllm_mode!r}: the team trainers run their engines in the "
-                             "training process (vllm_mode='colocate'); see docs/vllm.md for server mode.")
+            raise ValueError(
+                f"vllm_mode={self.args.vllm_mode!r}: the team trainers run their engines in the "
+                "training process (vllm_mode='colocate'); see docs/vllm.md for server mode."
+            )
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("use_vllm=True with DeepSpeed ZeRO-3 is not supported yet (the engines read each agent's "
-                             "full weights after every step); use ZeRO-2 or LoRA agents.")
+            raise ValueError(
+                "use_vllm=True with DeepSpeed ZeRO-3 is not supported yet (the engines read each agent's "
+                "full weights after every step); use ZeRO-2 or LoRA agents."
+            )
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
         settings = {tuple(getattr(agent.args, key) for key in keys) for agent in self._team}
         if len(settings) > 1:
-            raise ValueError(f"use_vllm=True samples every agent with the same {', '.join(keys)}; agent_overrides "
-                             "sets different ones. Give the agents the same sampling settings, or use_vllm=False.")
+            raise ValueError(
+                f"use_vllm=True samples every agent with the same {', '.join(keys)}; agent_overrides "
+                "sets different ones. Give the agents the same sampling settings, or use_vllm=False."
+            )
         args = self.args
         engines = TeamVLLM(
-            [agent.model for agent in self._team], [agent.processing_class for agent in self._team],
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
-            repetition_penalty=args.repetition_penalty, max_completion_length=args.max_completion_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
-            seed=args.seed, dtype="bfloat16" if args.bf16 else "auto",
+            [agent.model for agent in self._team],
+            [agent.processing_class for agent in self._team],
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            min_p=args.min_p or 0.0,
+            repetition_penalty=args.repetition_penalty,
+            max_completion_length=args.max_completion_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            seed=args.seed,
+            dtype="bfloat16" if args.bf16 else "auto",
         )
         for agent in self._team:
             agent.use_generation_engines(engines)
@@ -300,10 +326,27 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         return {
             "algorithm": self.algorithm_name,
             "model_names": [agent.model.config._name_or_path for agent in self._team],
-            **{key: getattr(args, key) for key in (
-                "num_agents", "num_turns", "num_generations", "joint_mode", "advantage_mode",
-                "advantage_normalization", "learning_rate", "num_train_epochs", "max_completion_length",
-                "temperature", "top_p", "top_k", "beta", "loss_type", "seed", "agent_overrides")},
+            **{
+                key: getattr(args, key)
+                for key in (
+                    "num_agents",
+                    "num_turns",
+                    "num_generations",
+                    "joint_mode",
+                    "advantage_mode",
+                    "advantage_normalization",
+                    "learning_rate",
+                    "num_train_epochs",
+                    "max_completion_length",
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "beta",
+                    "loss_type",
+                    "seed",
+                    "agent_overrides",
+                )
+            },
         }
 
     # ----- training -----
@@ -334,15 +377,18 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 Keep only this many of this run's newest checkpoints in `checkpoint_dir`.
         """
         if self.train_dataset is None:
-            raise ValueError(f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
-                             "pass train_dataset=... when building it to train.")
+            raise ValueError(
+                f"This {type(self).__name__} was built without a train_dataset, so it can only evaluate(); "
+                "pass train_dataset=... when building it to train."
+            )
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
         lock = self._claim_checkpoint_root()
         try:
             resume = self._prepare_resume(resume_from_checkpoint)
             with _long_lived_objects_frozen():
-                output = super().train(resume_from_checkpoint=resume, trial=trial,
-                                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+                output = super().train(
+                    resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+                )
             if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
                 self.checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
                 self.save_checkpoint(trial)
@@ -589,4 +635,3 @@ def _warn_low_precision_weights(team, deepspeed: bool) -> None:
 def _check_finite_loss(loss: torch.Tensor, agent_idx: int, step: int) -> None:
     if not torch.isfinite(loss).all():
         raise FloatingPointError(f"Agent {agent_idx} produced a non-finite loss ({loss.item()}) at step {step}.")
-
