@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=16)
     parser.add_argument("--items-per-step", type=int, default=2)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="generate with the team's vLLM engines (colocate)")
     args = parser.parse_args()
 
     import torch
@@ -85,6 +86,8 @@ def main() -> None:
         report_to="none",
         gradient_checkpointing=True,
         disable_tqdm=True,
+        use_vllm=args.vllm,
+        vllm_gpu_memory_utilization=0.8 / (1 if args.lora else args.agents),  # one engine per agent unless LoRA
     )
     steps = []
 
@@ -106,8 +109,8 @@ def main() -> None:
         callbacks=[Clock()],
     )
     generation = {"seconds": 0.0, "tokens": 0}
-    for agent in trainer._team:
-        agent._generate = _timed_generate(agent._generate, generation, torch)
+    for agent in trainer.agent_trainers:
+        agent.generate = _timed_generate(agent.generate, generation, torch)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.train()
@@ -126,6 +129,7 @@ def main() -> None:
                 "k": args.k,
                 "tokens": args.tokens,
                 "training": "lora" if args.lora else "full",
+                "generation": "vllm" if args.vllm else "transformers",
                 # what actually ran: the weights' storage dtype and the autocast precision (bf16 over fp32 weights is
                 # mixed precision, not a bf16 model)
                 "weights_dtype": str(next(trainer.agents[0].parameters()).dtype).replace("torch.", ""),
@@ -145,7 +149,7 @@ def main() -> None:
 
 
 def _timed_generate(generate, totals: dict, torch):
-    """Wrap an agent's `_generate`: add its wall time (CUDA synchronised) and its completion tokens to `totals`."""
+    """Wrap an agent's `generate`: add its wall time (CUDA synchronised) and its completion tokens to `totals`."""
 
     def timed(prompts):
         torch.cuda.synchronize()
@@ -153,7 +157,7 @@ def _timed_generate(generate, totals: dict, torch):
         rollout = generate(prompts)
         torch.cuda.synchronize()
         totals["seconds"] += time.perf_counter() - start
-        totals["tokens"] += sum(len(ids) for ids in rollout[1])  # completion token ids per row
+        totals["tokens"] += sum(len(ids) for ids in rollout.completion_ids)
         return rollout
 
     return timed

@@ -13,12 +13,15 @@
 #               value head with a hidden layer saved and restored (tiny models, the tests' scripts)
 #   resume      a run killed after its first epoch's checkpoint, then resumed (single GPU); resume under ZeRO-2/3
 #               (MAGRPO, MAAC's critic, IAC's heads) giving exactly the uninterrupted run's weights
+#   vllm        the benchmark with use_vllm=True (colocate): full agents (one engine each), LoRA agents (one
+#               engine), and one agent (the step time of a plain single-policy GRPO run on the same engine); needs
+#               vLLM in the venv (pip install 'comlrl-trl[vllm]' with the CUDA torch)
 #   all         every part in turn (about 20-25 minutes)
 # Not covered: DDP with several processes needs one GPU per process (NCCL refuses two ranks on one device); the
 # 2-process runs are tested on the CPU with gloo (tests/test_distributed.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: bash scripts/gpu_smoke.sh single|zero2|zero3|preference|resume|all [output_dir]}"
+part="${1:?usage: bash scripts/gpu_smoke.sh single|zero2|zero3|preference|resume|vllm|all [output_dir]}"
 out="${2:-outputs/gpu-smoke}"
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONPATH="$PWD"
@@ -96,12 +99,21 @@ resume() {
   done
 }
 
+vllm_part() {
+  "$python" -c "import vllm" || { echo "vLLM is not installed in $python's venv" >&2; exit 1; }
+  for flags in "--agents 2" "--agents 2 --lora" "--agents 1"; do
+    echo "== benchmark, vLLM colocate, $flags"
+    "$python" benchmarks/gpu.py --vllm --k 8 --tokens 128 $flags | tee -a "$out/gpu-bench-vllm.txt"
+  done
+}
+
 case "$part" in
   single) single ;;
   zero2) zero deepspeed_zero2 ;;
   zero3) zero deepspeed_zero3 ;;
   preference) preference ;;
   resume) resume ;;
-  all) single; zero deepspeed_zero2; zero deepspeed_zero3; preference; resume ;;
+  vllm) vllm_part ;;
+  all) single; zero deepspeed_zero2; zero deepspeed_zero3; preference; resume; vllm_part ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -1,0 +1,220 @@
+"""`use_vllm=True` in every team trainer: generation goes through the team's vLLM engines (`make test-vllm`).
+
+Each test builds a trainer on a tiny random Qwen2 saved to disk (vLLM's CPU attention needs a head size of at least
+32), trains one or two steps and checks what went through the engines: which agents generated, how many engines
+there are, that every agent's new weights were pushed after its optimiser step, and that TRL applied its
+importance-sampling correction with the engines' log-probabilities.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for these models
+vllm = pytest.importorskip("vllm")
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from comlrl_trl.adapters.grpo import AgentGRPOTrainer  # noqa: E402
+from comlrl_trl.generation import TeamVLLM  # noqa: E402
+from comlrl_trl.testing import build_tokenizer  # noqa: E402
+from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer  # noqa: E402
+from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer  # noqa: E402
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer  # noqa: E402
+
+
+pytestmark = pytest.mark.vllm
+
+ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
+
+
+def length_reward(*agent_completions, **kwargs):
+    return [float(sum(len(text) for text in joint) % 5) for joint in zip(*agent_completions)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-vllm")
+    tokenizer = build_tokenizer("qwen2")
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        vocab_size=len(tokenizer),
+        **ids,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every engine generation and weight sync, as (agent index, rows) and (agent index, the agent's global step)."""
+    record = {"generate": [], "sync": []}
+    generate, sync = TeamVLLM.generate, TeamVLLM.sync
+
+    def recording_generate(self, agent_index, prompt_ids):
+        record["generate"].append((agent_index, len(prompt_ids)))
+        return generate(self, agent_index, prompt_ids)
+
+    def recording_sync(self, agent_index, model):
+        record["sync"].append(agent_index)
+        return sync(self, agent_index, model)
+
+    monkeypatch.setattr(TeamVLLM, "generate", recording_generate)
+    monkeypatch.setattr(TeamVLLM, "sync", recording_sync)
+    return record
+
+
+@pytest.fixture
+def scored(monkeypatch):
+    """The scored batch every agent receives at every generation."""
+    batches = []
+    fill = AgentGRPOTrainer.fill_micro_batches
+
+    def recording(self, batch, advantages):
+        batches.append((self.agent_index, batch))
+        fill(self, batch, advantages)
+
+    monkeypatch.setattr(AgentGRPOTrainer, "fill_micro_batches", recording)
+    return batches
+
+
+def _weights(trainer):
+    return [
+        {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        for model in trainer.agents
+    ]
+
+
+def _changed(before, trainer) -> list[bool]:
+    return [
+        any(not torch.equal(before[a][name], p) for name, p in model.named_parameters() if p.requires_grad)
+        for a, model in enumerate(trainer.agents)
+    ]
+
+
+def _vllm_config(make_config, config_cls=None, **overrides):
+    settings = dict(use_vllm=True, num_generations=2, max_new_tokens=6, max_steps=2, bf16=False)
+    settings.update(overrides)
+    return make_config(**settings) if config_cls is None else make_config(config_cls, **settings)
+
+
+def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_step(
+    model_path, make_config, calls, scored
+):
+    trainer = MAGRPOTrainer(
+        agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=_vllm_config(make_config)
+    )
+    assert trainer.generation_engines.num_engines == 2
+    assert trainer.args.use_vllm and all(agent.use_vllm for agent in trainer.agent_trainers)
+    before = _weights(trainer)
+    calls["generate"].clear()
+    calls["sync"].clear()
+    trainer.train()
+    assert _changed(before, trainer) == [True, True]
+    # one generation per agent per step (2 rows: one item, K=2), in agent order
+    assert calls["generate"] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    # before each generation the agent whose step changed is synced: steps 0 and 1 for both agents
+    assert calls["sync"] == [0, 1, 0, 1]
+    for _, batch in scored:
+        assert batch["sampling_per_token_logps"].shape == batch["completion_ids"].shape
+        ratio = batch["importance_sampling_ratio"]
+        assert torch.isfinite(ratio).all() and (ratio > 0).all()
+    assert [agent for agent, _ in scored] == [0, 1, 0, 1]
+
+
+def test_a_lora_team_shares_one_engine_and_every_adapter_trains(model_path, make_config, calls):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = MAGRPOTrainer(
+        agent_model=model_path,
+        reward_func=length_reward,
+        train_dataset=ITEMS,
+        args=_vllm_config(make_config, max_steps=1),
+        peft_config=lora,
+    )
+    assert trainer.generation_engines.num_engines == 1
+    before = _weights(trainer)
+    trainer.train()
+    assert _changed(before, trainer) == [True, True]
+    assert {agent for agent, _ in calls["generate"]} == {0, 1}
+
+
+def test_multi_turn_generates_every_turn_through_the_engines(model_path, make_config, calls):
+    def transition(prompt, agent_completions, num_agents, **kwargs):
+        return [f"{prompt} then: {text[:10]}" for text in agent_completions]
+
+    trainer = MAGRPOTrainer(
+        agent_model=model_path,
+        reward_func=length_reward,
+        train_dataset=ITEMS,
+        args=_vllm_config(make_config, num_turns=2, max_steps=1),
+        external_transition=transition,
+    )
+    calls["generate"].clear()
+    trainer.train()
+    # turn 1: one node (2 rows); turn 2: both joint actions of align mode expanded (2 nodes x 2 rows)
+    assert calls["generate"] == [(0, 2), (1, 2), (0, 4), (1, 4)]
+
+
+@pytest.mark.parametrize("family", ["iac", "maac", "madpo"])
+def test_every_trainer_family_generates_through_the_engines(family, model_path, make_config, calls):
+    if family == "madpo":
+        config = _vllm_config(
+            make_config,
+            MADPOConfig,
+            num_generations=None,
+            preference_num_candidates=2,
+            preference_pairs_per_sample=1,
+            max_steps=1,
+        )
+        trainer = MADPOTrainer(agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
+    else:
+        trainer_cls, config_cls = (IACTrainer, IACConfig) if family == "iac" else (MAACTrainer, MAACConfig)
+        config = _vllm_config(make_config, config_cls, max_steps=1)
+        trainer = trainer_cls(
+            agent_model=model_path,
+            critic_model=model_path,
+            reward_func=length_reward,
+            train_dataset=ITEMS,
+            args=config,
+        )
+    before = _weights(trainer)
+    calls["generate"].clear()
+    trainer.train()
+    assert {agent for agent, _ in calls["generate"]} == {0, 1}
+    assert _changed(before, trainer) == [True, True]
+
+
+def test_marlhf_collects_pairs_and_trains_its_rl_stage_through_the_engines(model_path, make_config, calls):
+    config = _vllm_config(
+        make_config,
+        MARLHFConfig,
+        num_generations=2,
+        preference_num_candidates=2,
+        max_steps=1,
+        preference_pairs_per_sample=1,
+        reward_num_train_epochs=1,
+        reward_learning_rate=1e-3,
+    )
+    trainer = MARLHFTrainer(agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
+    calls["generate"].clear()
+    trainer.train()
+    # pair collection samples `preference_num_candidates` per item and agent, then the RL stage samples K per item
+    rows = [rows for _, rows in calls["generate"]]
+    assert {agent for agent, _ in calls["generate"]} == {0, 1} and len(rows) > 4
+    assert trainer.rl_trainer.generation_engines is not None
