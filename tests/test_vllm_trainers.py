@@ -218,3 +218,12 @@ def test_marlhf_collects_pairs_and_trains_its_rl_stage_through_the_engines(model
     rows = [rows for _, rows in calls["generate"]]
     assert {agent for agent, _ in calls["generate"]} == {0, 1} and len(rows) > 4
     assert trainer.rl_trainer.generation_engines is not None
+
+
+def test_the_default_config_builds_on_the_transformers_that_vllm_needs(tmp_path):
+    """vLLM's CPU build pins transformers < 5.18, whose TrainingArguments have no `activation_checkpointing` yet: the
+    CPU default (no checkpointing) must still be set, through `gradient_checkpointing`."""
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig
+
+    config = MAGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert config.gradient_checkpointing is False

@@ -235,10 +235,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         if self.bf16 is None:
             # TRL turns bf16 on everywhere; here it is on where the device has fast bf16 matrix products.
             self.bf16 = not self.fp16 and bf16_is_fast(self.use_cpu)
-        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+        # transformers >= 5.18 calls it `activation_checkpointing` (`gradient_checkpointing` then mirrors it); older
+        # releases (e.g. 5.17, which vLLM's CPU build needs) have only `gradient_checkpointing`.
+        current_name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+        if self.gradient_checkpointing is None and getattr(self, current_name) is None:
             # It trades compute for activation memory: on a CPU (plenty of memory, scarce compute) it only costs time.
-            # Set through transformers' current name, which `gradient_checkpointing` then mirrors.
-            self.activation_checkpointing = not self.use_cpu
+            setattr(self, current_name, not self.use_cpu)
         self._validate_multi_agent_fields()
         self.agent_overrides = validate_agent_overrides(self)
         self._grpo_post_init()
