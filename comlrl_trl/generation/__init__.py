@@ -1,0 +1,22 @@
+"""Generation backends for the agents of a team.
+
+`TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with vLLM and pushes each agent's trained
+weights back into its engine after an optimiser step. It needs the `vllm` extra (`make install-vllm`); importing this
+package does not import vLLM.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+
+if TYPE_CHECKING:
+    from .vllm_engines import TeamVLLM, plan_engines
+
+__all__ = ["TeamVLLM", "plan_engines"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import vllm_engines
+
+        return getattr(vllm_engines, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
