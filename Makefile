@@ -52,7 +52,7 @@ test: install
 
 ## vLLM generation tests (tiny models, in-process vLLM engines on CPU)
 test-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engines.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engines.py
 
 ## Long checks: real model, multi-process runs
 test-slow: install-demo
@@ -72,7 +72,7 @@ bench-sandbox: install
 
 ## vLLM against HF generate for two SmolLM2 agents (full fine-tuning and LoRA); writes benchmarks/results/
 bench-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) benchmarks/vllm_generation.py
+	$(VLLM_PY) benchmarks/vllm_generation.py
 
 ## Style: ruff's lint rules and its formatter, over every Python directory (CI runs it)
 LINTED := comlrl_trl tests examples recipes benchmarks scripts

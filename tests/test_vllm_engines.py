@@ -8,12 +8,14 @@ so the attention output that feeds `o_proj` is close to a vector of ones whateve
 """
 
 import math
+import os
 import random
 
 import pytest
 import torch
 
 
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for these models
 vllm = pytest.importorskip("vllm")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -139,7 +141,7 @@ def test_logprobs_match_a_transformers_forward_on_the_same_tokens(tied_team):
             torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(models[agent], prompt, row), atol=1e-4, rtol=0)
 
 
-def test_a_seed_makes_samples_reproducible_and_leaves_the_process_state_alone(tied_path):
+def test_a_seed_makes_samples_reproducible_and_leaves_the_process_state_alone(tied_path, tied_team):
     tokenizer = AutoTokenizer.from_pretrained(tied_path)
     torch.manual_seed(123)
     random.seed(123)
@@ -157,6 +159,7 @@ def test_a_seed_makes_samples_reproducible_and_leaves_the_process_state_alone(ti
         team.close()
     assert runs[0] == runs[1]  # same seed, same calls: same completions
     assert runs[0][0] != runs[0][1]  # a new call draws new samples
+    assert len(tied_team[0].generate(1, PROMPTS)[0]) == len(PROMPTS)  # closing a team leaves the others running
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +229,25 @@ def test_lora_team_shares_one_engine_and_serves_each_adapter(steer_path):
 
         with pytest.raises(ValueError, match="must be a LoRA adapter"):
             team.sync(0, _load(steer_path))
+    finally:
+        team.close()
+
+
+def test_a_peft_model_vllm_cannot_serve_as_lora_gets_its_own_engine_and_merged_weights(tied_path):
+    tokenizer = AutoTokenizer.from_pretrained(tied_path)
+    model = _lora(tied_path, use_dora=True)  # vLLM serves no DoRA adapters
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+    reference = _hf_logprobs(model, PROMPTS[0], [11, 12, 13])
+    team = TeamVLLM([model, _lora(tied_path)], [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
+    try:
+        assert team.num_engines == 2
+        completions, logprobs = team.generate(0, PROMPTS)
+        for prompt, row, lps in zip(PROMPTS, completions, logprobs):
+            torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(model, prompt, row), atol=1e-4, rtol=0)
+        torch.testing.assert_close(_hf_logprobs(model, PROMPTS[0], [11, 12, 13]), reference)  # unmerged again
     finally:
         team.close()
 

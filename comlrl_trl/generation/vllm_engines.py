@@ -26,6 +26,7 @@ import contextlib
 import gc
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -208,6 +209,12 @@ class TeamVLLM:
                 f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: TeamVLLM.sync hands tensors to the engine in "
                 "this process. Unset it or set it to 0."
             )
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                "torch.distributed runs with world size "
+                f"{torch.distributed.get_world_size()}: TeamVLLM starts its engines inside one process and does not "
+                "support multi-process training yet. Train in one process, or generate with HF generate."
+            )
         from vllm import SamplingParams
 
         self._sampling_params = SamplingParams
@@ -225,6 +232,7 @@ class TeamVLLM:
         self._groups = plan_engines(models)
         self._engine_of = {agent: e for e, group in enumerate(self._groups) for agent in group}
         self._engines: list[Any] = []
+        self._releases: list[weakref.finalize] = []
         self._lora_engine: list[bool] = []
         for e, group in enumerate(self._groups):
             lora = _is_lora_adapter(models[group[0]])
@@ -281,6 +289,7 @@ class TeamVLLM:
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 logprobs_mode="processed_logprobs", **lora_args,
             )
+        self._releases.append(_engine_release(llm))
         if lora:  # the adapters' shared frozen base, once
             self._reload(llm, _base_weights(models[0]))
         return llm
@@ -381,20 +390,42 @@ class TeamVLLM:
         return completion_ids, logprobs
 
     def close(self) -> None:
-        """Shut the engines down and delete the temporary adapter and config files."""
-        for llm in self._engines:
-            llm.llm_engine.engine_core.shutdown()
+        """Shut the engines down and delete the temporary adapter and config files.
+
+        Engines of other `TeamVLLM`s in this process keep working.
+        """
+        for release in self._releases:
+            release()
+        self._releases.clear()
         self._engines.clear()
         gc.collect()
         self._tmp.cleanup()
+
+
+def _engine_release(llm: Any) -> weakref.finalize:
+    """What shuts `llm` down, when called or when `llm` is garbage-collected, leaving the other engines running.
+
+    vLLM's own teardown (`EngineCore.shutdown`, which the engine client also runs when it is garbage-collected) ends
+    with `cleanup_dist_env_and_memory()`: it destroys vLLM's process-wide parallel groups and torch's default process
+    group, which every other engine in this process still uses. Here only this engine's worker and scheduler stop.
+    """
+    client = llm.llm_engine.engine_core
+    client._finalizer.detach()
+    return weakref.finalize(llm, _shutdown_core, client.engine_core)
+
+
+def _shutdown_core(core: Any) -> None:
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
 
 
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
     """Keep the trainer's process state across an in-process engine start.
 
-    vLLM seeds the global Python, NumPy and torch generators with the engine seed, and its CPU worker replaces
-    `torch.set_num_threads` by a no-op for the whole process: all of these are put back.
+    vLLM seeds the global Python, NumPy and torch generators with the engine seed, its CPU worker replaces
+    `torch.set_num_threads` by a no-op for the whole process, and the engine core `gc.freeze()`s every object alive
+    (so cyclic garbage among them is never collected): all of these are undone.
     """
     import random
 
@@ -411,6 +442,7 @@ def _process_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+        gc.unfreeze()
 
 
 def _reload_in_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
