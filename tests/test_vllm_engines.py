@@ -233,6 +233,22 @@ def test_lora_team_shares_one_engine_and_serves_each_adapter(steer_path):
         team.close()
 
 
+def test_merged_lora_mode_gives_each_lora_agent_an_engine_with_its_merged_weights(steer_path):
+    tokenizer = AutoTokenizer.from_pretrained(steer_path)
+    models = [_lora(steer_path), _lora(steer_path)]
+    team = TeamVLLM(models, [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0, lora_mode="merged")
+    try:
+        assert team.num_engines == 2
+        _steer_adapter(models[0], STEER_DIMS[42])
+        base = _o_proj(models[0]).base_layer.weight.detach().clone()
+        team.sync(0, models[0])
+        torch.testing.assert_close(_o_proj(models[0]).base_layer.weight, base)  # merged for the sync, then unmerged
+        assert team.generate(0, PROMPTS)[0] == [[42] * MAX_NEW] * len(PROMPTS)
+        assert not _all(team.generate(1, PROMPTS)[0], 42)
+    finally:
+        team.close()
+
+
 def test_a_peft_model_vllm_cannot_serve_as_lora_gets_its_own_engine_and_merged_weights(tied_path):
     tokenizer = AutoTokenizer.from_pretrained(tied_path)
     model = _lora(tied_path, use_dora=True)  # vLLM serves no DoRA adapters
@@ -262,6 +278,7 @@ def test_plan_engines_shares_an_engine_only_between_lora_adapters_on_the_same_ba
         changed.get_base_model().model.norm.weight.add_(1.0)
     assert plan_engines([lora_a, changed]) == [[0], [1]]  # same name, other frozen weights
     assert plan_engines([lora_a, _lora(steer_path, use_dora=True)]) == [[0], [1]]  # DoRA: merged, own engine
+    assert plan_engines([lora_a, lora_b], lora_mode="merged") == [[0], [1]]
 
 
 def test_invalid_arguments_name_the_argument(tied_path, tied_team):
@@ -275,3 +292,5 @@ def test_invalid_arguments_name_the_argument(tied_path, tied_team):
         team.generate(0, [[5] * 252])
     with pytest.raises(ValueError, match="`prompt_ids` must be"):
         team.generate(0, [[]])
+    with pytest.raises(ValueError, match="`lora_mode` must be 'adapter' or 'merged', got 'shared'"):
+        TeamVLLM([_load(tied_path)], [tokenizer], lora_mode="shared")

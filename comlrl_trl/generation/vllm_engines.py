@@ -28,7 +28,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -79,11 +79,11 @@ def _same_base(a: nn.Module, b: nn.Module) -> bool:
     )
 
 
-def plan_engines(models: Sequence[nn.Module]) -> list[list[int]]:
+def plan_engines(models: Sequence[nn.Module], lora_mode: Literal["adapter", "merged"] = "adapter") -> list[list[int]]:
     """Group agents into vLLM engines: agent indices per engine, in order of each engine's first agent.
 
-    LoRA agents share an engine when their bases have the same `name_or_path` and equal frozen weights; every other
-    agent gets its own engine.
+    With `lora_mode="adapter"`, LoRA agents share an engine when their bases have the same `name_or_path` and equal
+    frozen weights; every other agent gets its own engine. With `lora_mode="merged"`, every agent gets its own.
 
     Example:
 
@@ -94,7 +94,7 @@ def plan_engines(models: Sequence[nn.Module]) -> list[list[int]]:
     """
     groups: list[list[int]] = []
     for i, model in enumerate(models):
-        if _is_lora_adapter(model):
+        if lora_mode == "adapter" and _is_lora_adapter(model):
             for group in groups:
                 if _is_lora_adapter(models[group[0]]) and _same_base(models[group[0]], model):
                     group.append(i)
@@ -162,7 +162,12 @@ class TeamVLLM:
             Engine dtype (`"float32"`, `"bfloat16"`, `"float16"`); `"auto"` uses the dtype of each model's weights.
             Weights are cast to it at every sync.
         enforce_eager (`bool`, *optional*, defaults to `True`):
-            Skip vLLM's graph compilation, which costs start-up time and brings little for small models on CPU.
+            Skip vLLM's graph compilation, which costs start-up time (minutes on CPU) and brought no speed on CPU.
+        lora_mode (`str`, *optional*, defaults to `"adapter"`):
+            `"adapter"`: LoRA agents on the same base share one engine, each served by its adapter (one copy of the
+            base; syncs move only the adapter). `"merged"`: every LoRA agent gets its own engine holding its merged
+            weights (one copy of the weights per agent, full syncs), which generates as fast as a plain model: on
+            CPU, vLLM's LoRA kernels make `"adapter"` generation several times slower.
 
     Example:
 
@@ -190,6 +195,7 @@ class TeamVLLM:
         seed: int | None = None,
         dtype: str = "auto",
         enforce_eager: bool = True,
+        lora_mode: Literal["adapter", "merged"] = "adapter",
     ):
         if not models:
             raise ValueError("`models` is empty: pass one model per agent.")
@@ -199,6 +205,8 @@ class TeamVLLM:
             raise ValueError(f"`max_completion_length` must be >= 1, got {max_completion_length}.")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}.")
+        if lora_mode not in ("adapter", "merged"):
+            raise ValueError(f"`lora_mode` must be 'adapter' or 'merged', got {lora_mode!r}.")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"`dtype` must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}.")
         if not torch.cuda.is_available():
@@ -229,13 +237,13 @@ class TeamVLLM:
         self._tmp = tempfile.TemporaryDirectory(prefix="comlrl-vllm-")
         self._lora_ids: dict[int, int] = {}
         self._next_lora_id = 1
-        self._groups = plan_engines(models)
+        self._groups = plan_engines(models, lora_mode)
         self._engine_of = {agent: e for e, group in enumerate(self._groups) for agent in group}
         self._engines: list[Any] = []
         self._releases: list[weakref.finalize] = []
         self._lora_engine: list[bool] = []
         for e, group in enumerate(self._groups):
-            lora = _is_lora_adapter(models[group[0]])
+            lora = lora_mode == "adapter" and _is_lora_adapter(models[group[0]])
             self._engines.append(self._build_engine(e, [models[a] for a in group], lora, dtype, max_model_length,
                                                     gpu_memory_utilization, enforce_eager))
             self._lora_engine.append(lora)
@@ -311,10 +319,9 @@ class TeamVLLM:
         """
         self._check_agent(agent_index)
         engine = self._engine_of[agent_index]
-        if self._lora_engine[engine] != _is_lora_adapter(model):
-            kind = "a LoRA adapter" if self._lora_engine[engine] else "not a LoRA adapter"
-            raise ValueError(f"`model` for agent {agent_index} must be {kind}, like the model the engines were built "
-                             "from: pass the same agent model to sync.")
+        if self._lora_engine[engine] and not _is_lora_adapter(model):
+            raise ValueError(f"`model` for agent {agent_index} must be a LoRA adapter, like the model its engine was "
+                             "built from: pass the same agent model to sync.")
         llm = self._engines[engine]
         if not self._lora_engine[engine]:
             with torch.no_grad(), _merged_weights(model) as weights:
