@@ -52,7 +52,7 @@ test: install
 
 ## vLLM generation tests (tiny models, in-process vLLM engines on CPU)
 test-vllm: install-vllm
-	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engines.py
+	$(VLLM_PY) -m pytest -q -m vllm
 
 ## Long checks: real model, multi-process runs
 test-slow: install-demo

@@ -50,10 +50,18 @@ def hf_run(model, tokenizer, rows: list[list[int]], max_new: int, bf16: bool) ->
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     start = time.perf_counter()
     with torch.no_grad(), autocast:
-        out = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     seconds = time.perf_counter() - start
-    completions = out[:, batch["input_ids"].shape[1]:].tolist()
+    completions = out[:, batch["input_ids"].shape[1] :].tolist()
     return sum(completion_lengths(completions, {tokenizer.eos_token_id})), seconds
 
 
@@ -78,9 +86,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per agent and row, after a warm-up")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtypes", default="float32",
-                        help="comma-separated engine dtypes (float32, bfloat16); bfloat16 also adds an HF row under "
-                        "bf16 autocast. bf16 pays off only on CPUs with AVX512-BF16 or AMX (see the docstring)")
+    parser.add_argument(
+        "--dtypes",
+        default="float32",
+        help="comma-separated engine dtypes (float32, bfloat16); bfloat16 also adds an HF row under "
+        "bf16 autocast. bf16 pays off only on CPUs with AVX512-BF16 or AMX (see the docstring)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -95,27 +106,44 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = demo_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in PROMPTS[:args.prompts]]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in PROMPTS[: args.prompts]
+    ]
     rows = [list(p) for p in prompts for _ in range(args.samples)]
     agents = [AutoModelForCausalLM.from_pretrained(path) for _ in range(2)]
-    settings = dict(vars(args), json=None, model="SmolLM2-135M-Instruct", agents=2, rows_per_call=len(rows),
-                    prompt_tokens=statistics.mean(len(p) for p in prompts), torch=torch.__version__,
-                    cpu=platform.processor() or platform.machine(),
-                    cpu_capability=torch.backends.cpu.get_cpu_capability())
+    settings = dict(
+        vars(args),
+        json=None,
+        model="SmolLM2-135M-Instruct",
+        agents=2,
+        rows_per_call=len(rows),
+        prompt_tokens=statistics.mean(len(p) for p in prompts),
+        torch=torch.__version__,
+        cpu=platform.processor() or platform.machine(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    )
     results = []
 
     def add(label: str, agent: int, result: dict, **extra) -> None:
         results.append({"label": label, "agent": agent, **result, **extra})
-        print(f"{label:<44} agent {agent}: {result['tokens_per_s']:7.1f} tokens/s "
-              f"({result['tokens_per_call']:.0f} tokens/call, first call {result['first_call_s']:.1f} s)"
-              + "".join(f", {k} {v:.2f}" for k, v in extra.items()), flush=True)
+        print(
+            f"{label:<44} agent {agent}: {result['tokens_per_s']:7.1f} tokens/s "
+            f"({result['tokens_per_call']:.0f} tokens/call, first call {result['first_call_s']:.1f} s)"
+            + "".join(f", {k} {v:.2f}" for k, v in extra.items()),
+            flush=True,
+        )
 
     dtypes = args.dtypes.split(",")
     for bf16 in [False, True] if "bfloat16" in dtypes else [False]:
         for agent, model in enumerate(agents):
-            add(f"HF generate {'bf16 autocast' if bf16 else 'fp32'}", agent,
-                measure(lambda m=model, b=bf16: hf_run(m, tokenizer, rows, args.max_new_tokens, b), args.repeats))
+            add(
+                f"HF generate {'bf16 autocast' if bf16 else 'fp32'}",
+                agent,
+                measure(lambda m=model, b=bf16: hf_run(m, tokenizer, rows, args.max_new_tokens, b), args.repeats),
+            )
 
     for dtype in dtypes:
         start = time.perf_counter()
@@ -125,23 +153,43 @@ def main() -> None:
             result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
             start = time.perf_counter()
             team.sync(agent, agents[agent])
-            add(f"vLLM full FT ({team.num_engines} engines, {dtype})", agent, result, engines_start_s=startup,
-                sync_s=time.perf_counter() - start)
+            add(
+                f"vLLM full FT ({team.num_engines} engines, {dtype})",
+                agent,
+                result,
+                engines_start_s=startup,
+                sync_s=time.perf_counter() - start,
+            )
         team.close()
 
-    lora = [get_peft_model(AutoModelForCausalLM.from_pretrained(path),
-                           LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")) for _ in range(2)]
+    lora = [
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+        )
+        for _ in range(2)
+    ]
     for lora_mode in ("adapter", "merged"):
         start = time.perf_counter()
-        team = TeamVLLM(lora, [tokenizer] * 2, max_completion_length=args.max_new_tokens, seed=0, dtype=dtypes[0],
-                        lora_mode=lora_mode)
+        team = TeamVLLM(
+            lora,
+            [tokenizer] * 2,
+            max_completion_length=args.max_new_tokens,
+            seed=0,
+            dtype=dtypes[0],
+            lora_mode=lora_mode,
+        )
         startup = time.perf_counter() - start
         for agent in range(2):
             result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
             start = time.perf_counter()
             team.sync(agent, lora[agent])
-            add(f"vLLM LoRA r=16 {lora_mode} ({team.num_engines} engines, {dtypes[0]})", agent, result,
-                engines_start_s=startup, sync_s=time.perf_counter() - start)
+            add(
+                f"vLLM LoRA r=16 {lora_mode} ({team.num_engines} engines, {dtypes[0]})",
+                agent,
+                result,
+                engines_start_s=startup,
+                sync_s=time.perf_counter() - start,
+            )
         team.close()
 
     def speed(prefix: str) -> float:
@@ -153,7 +201,8 @@ def main() -> None:
         ratios[f"vLLM LoRA {lora_mode} {dtypes[0]} / HF fp32"] = speed(f"vLLM LoRA r=16 {lora_mode}") / hf
     if "bfloat16" in dtypes:
         ratios["vLLM full FT bfloat16 / HF bf16 autocast"] = speed("vLLM full FT (2 engines, bfloat16)") / speed(
-            "HF generate bf16")
+            "HF generate bf16"
+        )
     print()
     for name, value in ratios.items():
         print(f"{name:<40} {value:5.2f}x")

@@ -43,13 +43,22 @@ STEER_DIMS = {42: 63, 77: 62}  # token -> the unwritten hidden dimension that se
 
 def _save_tiny(path, tied: bool, steerable: bool, kind: str = "qwen2") -> str:
     tokenizer = build_tokenizer(kind)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     torch.manual_seed(0)
     config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    config = config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=tied,
-                          vocab_size=len(tokenizer), **ids)
+    config = config_class(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        vocab_size=len(tokenizer),
+        **ids,
+    )
     model = model_class(config)
     model.generation_config = GenerationConfig(**ids)
     if steerable:

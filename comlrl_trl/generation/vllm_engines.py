@@ -115,8 +115,12 @@ def _merged_weights(model: nn.Module) -> Iterator[Iterator[tuple[str, torch.Tens
     model.merge_adapter()
     try:
         yield (
-            (name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", ""),
-             param.detach())
+            (
+                name.removeprefix("base_model.model.")
+                .replace(".base_layer", "")
+                .replace("modules_to_save.default.", ""),
+                param.detach(),
+            )
             for name, param in model.named_parameters()
             if model.prefix not in name and "original_module" not in name
         )
@@ -200,7 +204,9 @@ class TeamVLLM:
         if not models:
             raise ValueError("`models` is empty: pass one model per agent.")
         if len(tokenizers) != len(models):
-            raise ValueError(f"`tokenizers` has {len(tokenizers)} entries for {len(models)} models: pass one per agent.")
+            raise ValueError(
+                f"`tokenizers` has {len(tokenizers)} entries for {len(models)} models: pass one per agent."
+            )
         if max_completion_length < 1:
             raise ValueError(f"`max_completion_length` must be >= 1, got {max_completion_length}.")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -227,8 +233,12 @@ class TeamVLLM:
 
         self._sampling_params = SamplingParams
         self.sampling = dict(
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, max_tokens=max_completion_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_tokens=max_completion_length,
         )
         self.seed = seed
         self.max_completion_length = max_completion_length
@@ -244,8 +254,11 @@ class TeamVLLM:
         self._lora_engine: list[bool] = []
         for e, group in enumerate(self._groups):
             lora = lora_mode == "adapter" and _is_lora_adapter(models[group[0]])
-            self._engines.append(self._build_engine(e, [models[a] for a in group], lora, dtype, max_model_length,
-                                                    gpu_memory_utilization, enforce_eager))
+            self._engines.append(
+                self._build_engine(
+                    e, [models[a] for a in group], lora, dtype, max_model_length, gpu_memory_utilization, enforce_eager
+                )
+            )
             self._lora_engine.append(lora)
         self._max_model_length = [llm.llm_engine.model_config.max_model_len for llm in self._engines]
         for agent, model in enumerate(models):
@@ -272,8 +285,14 @@ class TeamVLLM:
         return sorted(ids)
 
     def _build_engine(
-        self, index: int, models: list[nn.Module], lora: bool, dtype: str, max_model_length: int | None,
-        gpu_memory_utilization: float, enforce_eager: bool,
+        self,
+        index: int,
+        models: list[nn.Module],
+        lora: bool,
+        dtype: str,
+        max_model_length: int | None,
+        gpu_memory_utilization: float,
+        enforce_eager: bool,
     ) -> Any:
         """An engine with random weights built from the config alone: the first `sync` brings the real weights."""
         from vllm import LLM
@@ -287,15 +306,24 @@ class TeamVLLM:
         if lora:
             rank = max(model.peft_config[model.active_adapter].r for model in models)
             lora_args = dict(
-                enable_lora=True, max_loras=len(models), max_cpu_loras=len(models),
+                enable_lora=True,
+                max_loras=len(models),
+                max_cpu_loras=len(models),
                 max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= rank),
             )
         with _process_state_kept():
             llm = LLM(
-                model=config_dir, load_format="dummy", skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
-                seed=0 if self.seed is None else self.seed, max_model_len=max_model_length,
-                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                logprobs_mode="processed_logprobs", **lora_args,
+                model=config_dir,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                generation_config="vllm",
+                dtype=dtype,
+                seed=0 if self.seed is None else self.seed,
+                max_model_len=max_model_length,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                logprobs_mode="processed_logprobs",
+                **lora_args,
             )
         self._releases.append(_engine_release(llm))
         if lora:  # the adapters' shared frozen base, once
@@ -320,8 +348,10 @@ class TeamVLLM:
         self._check_agent(agent_index)
         engine = self._engine_of[agent_index]
         if self._lora_engine[engine] and not _is_lora_adapter(model):
-            raise ValueError(f"`model` for agent {agent_index} must be a LoRA adapter, like the model its engine was "
-                             "built from: pass the same agent model to sync.")
+            raise ValueError(
+                f"`model` for agent {agent_index} must be a LoRA adapter, like the model its engine was "
+                "built from: pass the same agent model to sync."
+            )
         llm = self._engines[engine]
         if not self._lora_engine[engine]:
             with torch.no_grad(), _merged_weights(model) as weights:
@@ -336,8 +366,10 @@ class TeamVLLM:
         os.makedirs(path)
         adapter = model.active_adapter
         state = get_peft_model_state_dict(model, adapter_name=adapter)
-        save_file({name: tensor.detach().contiguous() for name, tensor in state.items()},
-                  os.path.join(path, "adapter_model.safetensors"))
+        save_file(
+            {name: tensor.detach().contiguous() for name, tensor in state.items()},
+            os.path.join(path, "adapter_model.safetensors"),
+        )
         model.peft_config[adapter].save_pretrained(path)
         old = self._lora_ids.get(agent_index)
         if old is not None:  # free the slot first: max_loras is the number of agents on this engine
@@ -377,8 +409,9 @@ class TeamVLLM:
             seeds = [int(s) for s in sequence.generate_state(len(prompt_ids), dtype=np.uint32)]
         self._calls[agent_index] += 1
         params = [
-            self._sampling_params(n=1, logprobs=0, stop_token_ids=self._stop_ids[agent_index], seed=seed,
-                                  **self.sampling)
+            self._sampling_params(
+                n=1, logprobs=0, stop_token_ids=self._stop_ids[agent_index], seed=seed, **self.sampling
+            )
             for seed in seeds
         ]
         lora_request = None
@@ -386,8 +419,11 @@ class TeamVLLM:
             from vllm.lora.request import LoRARequest
 
             lora_id = self._lora_ids[agent_index]
-            lora_request = LoRARequest(f"agent-{agent_index}-v{lora_id}", lora_id,
-                                       os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}"))
+            lora_request = LoRARequest(
+                f"agent-{agent_index}-v{lora_id}",
+                lora_id,
+                os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}"),
+            )
         outputs = self._engines[engine].generate(
             [{"prompt_token_ids": row} for row in prompt_ids], params, use_tqdm=False, lora_request=lora_request
         )
