@@ -63,7 +63,8 @@ def test_explicit_bf16_false_is_kept(out):
 def test_gradient_checkpointing_is_off_on_the_cpu_unless_asked_for(out):
     assert config(out, use_cpu=True).gradient_checkpointing is False
     assert config(out, use_cpu=True, gradient_checkpointing=True).gradient_checkpointing is True
-    assert config(out, use_cpu=True, activation_checkpointing=True).gradient_checkpointing is True
+    if "activation_checkpointing" in MAGRPOConfig.__dataclass_fields__:  # transformers >= 5.18's name
+        assert config(out, use_cpu=True, activation_checkpointing=True).gradient_checkpointing is True
 
 
 def test_defaults(out):
