@@ -370,3 +370,10 @@ def test_a_set_batch_size_is_never_fitted(out):
     cfg = config(out, num_generations=3, per_device_train_batch_size=12)
     cfg.fit_batch_to_dataset(7, evaluates=True)
     assert cfg.per_device_train_batch_size == 12
+
+
+def test_vllm_lora_mode_is_checked(out):
+    assert config(out).vllm_lora_mode == "adapter"
+    assert config(out, vllm_lora_mode="merged").vllm_lora_mode == "merged"
+    with pytest.raises(ValueError, match="vllm_lora_mode must be 'adapter' or 'merged', got 'shared'"):
+        config(out, vllm_lora_mode="shared")

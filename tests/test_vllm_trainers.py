@@ -138,16 +138,17 @@ def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_st
     assert [agent for agent, _ in scored] == [0, 1, 0, 1]
 
 
-def test_a_lora_team_shares_one_engine_and_every_adapter_trains(model_path, make_config, calls):
+@pytest.mark.parametrize(("lora_mode", "engines"), [("adapter", 1), ("merged", 2)])
+def test_a_lora_team_shares_one_engine_and_every_adapter_trains(lora_mode, engines, model_path, make_config, calls):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = MAGRPOTrainer(
         agent_model=model_path,
         reward_func=length_reward,
         train_dataset=ITEMS,
-        args=_vllm_config(make_config, max_steps=1),
+        args=_vllm_config(make_config, max_steps=1, vllm_lora_mode=lora_mode),
         peft_config=lora,
     )
-    assert trainer.generation_engines.num_engines == 1
+    assert trainer.generation_engines.num_engines == engines
     before = _weights(trainer)
     trainer.train()
     assert _changed(before, trainer) == [True, True]

@@ -75,6 +75,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             because multi-turn revision prompts (problem, both agents' code, test feedback) of the coding tasks
             reach about 1,000 tokens, and cutting from the left would drop the problem statement.
 
+        vllm_lora_mode (`str`, *optional*, defaults to `"adapter"`):
+            With `use_vllm=True` (TRL's field; generation through the team's vLLM engines, see docs/vllm.md), how LoRA
+            agents on one base model generate: `"adapter"`, one engine for the team and each agent's adapter passed
+            per request (one copy of the base in memory); `"merged"`, one engine per agent with its adapter merged
+            into the weights (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX).
+
         > Parameters that control the update
 
         agent_learning_rate (`float`, *optional*, defaults to `5e-6`):
@@ -165,6 +171,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             "temperature, top_p, top_k, max_new_tokens, generation_kwargs, ...); a JSON list here."
         },
     )
+    vllm_lora_mode: Literal["adapter", "merged"] = field(
+        default="adapter",
+        metadata={
+            "help": "use_vllm with LoRA agents: one engine with an adapter per agent, or one merged engine each."
+        },
+    )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
     )
@@ -237,7 +249,9 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             self.bf16 = not self.fp16 and bf16_is_fast(self.use_cpu)
         # transformers >= 5.18 calls it `activation_checkpointing` (`gradient_checkpointing` then mirrors it); older
         # releases (e.g. 5.17, which vLLM's CPU build needs) have only `gradient_checkpointing`.
-        current_name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+        current_name = (
+            "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+        )
         if self.gradient_checkpointing is None and getattr(self, current_name) is None:
             # It trades compute for activation memory: on a CPU (plenty of memory, scarce compute) it only costs time.
             setattr(self, current_name, not self.use_cpu)
@@ -304,6 +318,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             raise ValueError(
                 f"max_prompt_length must be a positive integer or None (no limit), got {self.max_prompt_length!r}."
             )
+        if self.vllm_lora_mode not in ("adapter", "merged"):
+            raise ValueError(f"vllm_lora_mode must be 'adapter' or 'merged', got {self.vllm_lora_mode!r}.")
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

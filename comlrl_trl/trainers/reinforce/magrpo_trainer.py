@@ -308,6 +308,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             max_model_length=args.vllm_max_model_length,
             seed=args.seed,
             dtype="bfloat16" if args.bf16 else "auto",
+            lora_mode=args.vllm_lora_mode,
         )
         for agent in self._team:
             agent.use_generation_engines(engines)
