@@ -63,16 +63,18 @@ demo: install-demo
 	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py --config recipes/configs/length_ratio_smollm2.yaml
 
 ## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL, and the code sandbox; writes benchmarks/results/
-bench: install-demo bench-sandbox
+bench: install-demo bench-sandbox bench-vllm
 	$(PY) benchmarks/bench.py
 
 ## Sandbox throughput (run_python calls/s, a code_feedback reward batch) against benchmarks/results/sandbox-before.json
 bench-sandbox: install
 	$(PY) benchmarks/sandbox.py
 
-## vLLM against HF generate for two SmolLM2 agents (full fine-tuning and LoRA); writes benchmarks/results/
+## vLLM against HF generate for two SmolLM2 agents (tokens/s, full fine-tuning and LoRA) and MAGRPO's time per step
+## with and without vLLM; writes benchmarks/results/
 bench-vllm: install-vllm
 	$(VLLM_PY) benchmarks/vllm_generation.py
+	$(VLLM_PY) benchmarks/vllm_step.py --lora
 
 ## Style: ruff's lint rules and its formatter, over every Python directory (CI runs it)
 LINTED := comlrl_trl tests examples recipes benchmarks scripts
