@@ -8,9 +8,10 @@ Runs `benchmarks/profile_step.py` (one epoch at the documented defaults, K=4) tw
 `--lora`. Engine start-up happens at construction and is not timed; the first generation (vLLM's warm-up) is. Prints a
 table of CPU seconds per phase and wall seconds per step, and writes `benchmarks/results/vllm-step-<date>.json`.
 
-With vLLM, TRL also computes the old policy's log-probabilities of every completion for its importance-sampling
-correction (`vllm_importance_sampling_correction=True`, the default): one extra forward pass per generation, counted
-under "scoring".
+With vLLM, TRL's importance-sampling correction (`vllm_importance_sampling_correction=True`, the default) needs the
+trainer's log-probabilities of every completion. TRL computes them in one extra forward pass per generation (counted
+under "scoring"); on-policy, as at the defaults, the team trainers take them from the loss's forward instead
+(docs/vllm.md). `vllm-step-2026-12-01.json` was measured before that change, with the extra forward.
 """
 
 import argparse

@@ -109,3 +109,76 @@ def test_a_real_agent_scores_a_handed_in_rollout(qwen_path, make_config):
     assert trainer.slot == 0 and trainer.needs_generation
     with pytest.raises(RuntimeError, match="generate"):
         trainer._generate(["Say:"])  # outside score(), generation goes through generate()
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_vllm_correction_from_the_loss_forward_equals_trls(qwen_path, make_config, monkeypatch, mode):
+    """On-policy vLLM generation takes the trainer's log-probabilities for the importance-sampling ratio from the
+    loss's own forward (`ratio_from_loss_forward`) instead of TRL's extra scoring forward. The batch then has no
+    old log-probabilities or ratio, and the loss, its gradients and the logged ratios equal TRL's path."""
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=lambda c: [1.0] * len(c),
+        train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 4),
+        args=make_config(
+            num_agents=1,
+            num_generations=4,
+            per_device_train_batch_size=4,
+            max_new_tokens=6,
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_max=1.5,
+        ),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rows, rewards = [{"prompt": "Say:"}] * 4, torch.tensor([0.0, 1.0, 2.0, 3.0])
+    rollout = trainer.generate(["Say:"] * 4)
+    # The engine's log-probabilities: the trainer's own, shifted by a fixed pattern (some ratios get clipped).
+    plain = trainer.score(rows, rollout, rewards)
+    ids = torch.cat([plain["prompt_ids"], plain["completion_ids"]], dim=1)
+    mask = torch.cat([plain["prompt_mask"], plain["completion_mask"]], dim=1)
+    own = trainer.per_token_logps(trainer.model, ids, mask, plain["completion_ids"].shape[1], batch_size=4)
+    shift = torch.tensor([0.3, -0.2, 0.1, -0.4, 0.05, 0.2])
+    logprobs = [(own[i, : len(c)] + shift[: len(c)]).tolist() for i, c in enumerate(rollout.completion_ids)]
+    rollout = rollout._replace(logprobs=logprobs)
+    trainer.use_vllm = True
+    advantages = torch.tensor([-1.0, 0.0, 0.5, 2.0])  # a non-zero sum: equal ratios would not cancel out
+
+    def loss_and_gradients(ratio_from_loss):
+        monkeypatch.setattr(type(trainer), "ratio_from_loss_forward", property(lambda self: ratio_from_loss))
+        trainer.metrics("train").clear()
+        batch = trainer.score(rows, rollout, rewards)
+        assert ("old_per_token_logps" in batch) is not ratio_from_loss
+        assert ("importance_sampling_ratio" in batch) is not ratio_from_loss
+        trainer.model.zero_grad()
+        loss = trainer.policy_loss(trainer.model, {"advantages": advantages, **batch})
+        loss.backward()
+        gradients = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        return loss.item(), gradients, trainer.metrics("train")["sampling/importance_sampling_ratio/mean"]
+
+    trl_loss, trl_gradients, trl_ratios = loss_and_gradients(False)
+    loss, gradients, ratios = loss_and_gradients(True)
+    assert loss != 0.0 and loss == pytest.approx(trl_loss, rel=1e-5, abs=1e-7)
+    assert len(gradients) == len(trl_gradients) > 0
+    assert all(torch.allclose(g, t, rtol=1e-4, atol=1e-7) for g, t in zip(gradients, trl_gradients))
+    assert ratios == pytest.approx(trl_ratios, rel=1e-5) and 0.0 < ratios[0] < 1.5
+
+
+def test_the_correction_comes_from_the_loss_forward_only_on_policy(qwen_path, make_config):
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=lambda c: [1.0] * len(c),
+        train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 4),
+        args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2),
+    )
+    assert not trainer.ratio_from_loss_forward  # no vLLM: nothing to correct
+    trainer.use_vllm = True
+    assert trainer.ratio_from_loss_forward
+    trainer.num_iterations = 2  # a second pass over the samples after an optimiser step: TRL's scoring forward
+    trainer.args.gradient_accumulation_steps = 1
+    assert not trainer.ratio_from_loss_forward
+    trainer.num_iterations = 1
+    trainer.vllm_importance_sampling_correction = False
+    assert not trainer.ratio_from_loss_forward

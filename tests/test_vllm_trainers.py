@@ -133,9 +133,17 @@ def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_st
     assert calls["sync"] == [0, 1, 0, 1]
     for _, batch in scored:
         assert batch["sampling_per_token_logps"].shape == batch["completion_ids"].shape
-        ratio = batch["importance_sampling_ratio"]
-        assert torch.isfinite(ratio).all() and (ratio > 0).all()
+        # On-policy, TRL's ratio is computed from the loss's own forward, not from a second scoring forward.
+        assert "importance_sampling_ratio" not in batch and "old_per_token_logps" not in batch
     assert [agent for agent, _ in scored] == [0, 1, 0, 1]
+    # The engines sample from the weights being trained (synced after every step): ratios near 1 at both steps.
+    ratios = [
+        log[f"agent_{a}/sampling/importance_sampling_ratio/mean"]
+        for log in trainer.state.log_history
+        for a in (0, 1)
+        if f"agent_{a}/sampling/importance_sampling_ratio/mean" in log
+    ]
+    assert len(ratios) == 4 and all(0.9 < ratio < 1.1 for ratio in ratios), ratios
 
 
 @pytest.mark.parametrize(("lora_mode", "engines"), [("adapter", 1), ("merged", 2)])

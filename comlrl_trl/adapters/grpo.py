@@ -27,6 +27,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from ..core.importance import importance_sampling_ratio, logp_differences
 from ..inputs import fill_small_training_set
 
 
@@ -104,6 +105,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     model_tags: tuple[str, ...] = ("trl", "grpo", "comlrl_trl")
     _handed_in: tuple[Rollout, torch.Tensor] | None = None
     _warned_truncation = False
+    _ratio_for: dict[str, Any] | None = None  # the micro-batch whose importance-sampling ratio the loss forward gives
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -141,12 +143,33 @@ class AgentGRPOTrainer(GRPOTrainer):
         advantages enter once, in `fill_micro_batches`.
         """
         self._handed_in = (rollout, rewards.unsqueeze(1))
+        correction = self.vllm_importance_sampling_correction
+        # On-policy, the trainer's log-probabilities come from the loss's own forward (see `policy_loss`): TRL would
+        # otherwise run one more forward over the whole batch here, only for the correction.
+        self.vllm_importance_sampling_correction = correction and not self.ratio_from_loss_forward
         try:
             batch = GRPOTrainer._generate_and_score_completions(self, rows)
         finally:
             self._handed_in = None
+            self.vllm_importance_sampling_correction = correction
         del batch["advantages"]
         return batch
+
+    @property
+    def ratio_from_loss_forward(self) -> bool:
+        """Whether the vLLM importance-sampling ratio is computed from the loss's forward instead of a scoring forward.
+
+        True when generation is on-policy: the weights do not change between a generation and the last loss on its
+        samples (TRL's condition for leaving out old log-probabilities: `gradient_accumulation_steps` a multiple of
+        `steps_per_generation * num_iterations`). The loss forward's detached log-probabilities are then the
+        scoring forward's, so the ratio and the loss are the same as TRL's, one forward pass cheaper per generation.
+        """
+        every = self.args.steps_per_generation * self.num_iterations
+        return (
+            self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and self.args.gradient_accumulation_steps % every == 0
+        )
 
     def _prepare_inputs(self, generation_batch):
         # An agent whose loop is the team's is handed ready micro-batches (dicts) by that loop.
@@ -236,7 +259,51 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def policy_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's clipped policy loss (with its KL term and metrics) on one micro-batch."""
-        return GRPOTrainer._compute_loss(self, model, inputs)
+        if self.ratio_from_loss_forward and "importance_sampling_ratio" not in inputs:
+            inputs = dict(inputs)  # the ratio is added for this loss only
+            self._ratio_for = inputs
+        try:
+            return GRPOTrainer._compute_loss(self, model, inputs)
+        finally:
+            self._ratio_for = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        inputs, self._ratio_for = self._ratio_for, None
+        if inputs is not None:  # the first forward of `policy_loss`: the policy's own log-probabilities
+            inputs["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), inputs)
+        return out
+
+    def _sampling_correction(self, trainer_logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's importance-sampling ratio of a micro-batch from the trainer's log-probabilities, with its metrics."""
+        sampling_logps, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+        ratio = importance_sampling_ratio(
+            trainer_logps,
+            sampling_logps,
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        # TRL's sampling metrics: how far the engine's log-probabilities are from the trainer's, and the ratios.
+        valid = mask.bool() & ~torch.isnan(sampling_logps)
+        gap = logp_differences(trainer_logps, sampling_logps, mask).abs()[valid]
+        per_sequence = self.vllm_importance_sampling_mode.startswith("sequence")
+        ratios = ratio.flatten() if per_sequence else ratio[mask.bool()]
+        stats = (
+            ("sampling/sampling_logp_difference/mean", gap, torch.mean),
+            ("sampling/sampling_logp_difference/max", gap, torch.max),
+            ("sampling/importance_sampling_ratio/min", ratios, torch.min),
+            ("sampling/importance_sampling_ratio/mean", ratios, torch.mean),
+            ("sampling/importance_sampling_ratio/max", ratios, torch.max),
+        )
+        mode = "train" if self.model.training else "eval"
+        for name, values, reduce in stats:
+            local = reduce(values) if values.numel() else values.new_zeros(())
+            self._metrics[mode][name].append(reduce(self.accelerator.gather(local.float())).item())
+        return ratio
 
     def metrics(self, mode: str = "train") -> dict[str, list[float]]:
         """TRL's metric lists of this agent (`mode`: "train" or "eval"), which `log` averages and clears."""

@@ -1,0 +1,50 @@
+"""The importance-sampling correction for completions sampled by another engine (vLLM).
+
+The engine samples with its own kernels (and, between syncs, possibly older weights), so its token probabilities
+differ a little from the trainer's. The policy loss of every token is weighted by the ratio between the trainer's
+probability of the sampled completion and the engine's, computed here as TRL defines it (its `vllm_importance_*`
+settings), so that the two ways of getting the trainer's log-probabilities (a separate scoring forward, or the
+loss's own forward when nothing changed the weights in between) give the same weights.
+"""
+
+import math
+from typing import Literal
+
+import torch
+
+
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def logp_differences(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`trainer - sampling` log-probability per completion token, 0 on padding and where the engine gave no
+    log-probability (NaN): such a token is not corrected, rather than turning the loss into NaN."""
+    return torch.nan_to_num((trainer_logps - sampling_logps) * mask, nan=0.0)
+
+
+def importance_sampling_ratio(
+    trainer_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: ImportanceSamplingMode,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """The weight of each token's policy loss: `exp(trainer - sampling)` per token, `(B, T)` for the `token_*`
+    modes, or per sequence (the sum over its tokens), `(B, 1)` for the `sequence_*` modes.
+
+    `*_truncate` clamps the ratio into `[clip_min, clip_max]`; `*_mask` sets ratios outside it to 0 (the token or
+    sequence is left out of the loss). A bound of None is no bound.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {_MODES}, got {mode!r}.")
+    differences = logp_differences(trainer_logps, sampling_logps, mask)
+    if mode.startswith("sequence"):
+        differences = differences.sum(dim=-1, keepdim=True)
+    ratio = differences.exp()
+    if mode.endswith("truncate"):
+        return ratio if clip_min is None and clip_max is None else ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

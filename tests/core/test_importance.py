@@ -1,0 +1,55 @@
+"""The vLLM importance-sampling ratio (TRL's four modes), worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from comlrl_trl.core.importance import importance_sampling_ratio, logp_differences
+
+
+# Two completions of three token slots. Row 0: differences trainer - sampler = +0.5, -1.0, then padding.
+# Row 1: +0.25, a token the engine gave no log-probability (NaN), +1.5.
+TRAINER = torch.tensor([[-1.0, -2.0, -0.3], [-0.5, -1.0, -0.5]])
+SAMPLER = torch.tensor([[-1.5, -1.0, -9.0], [-0.75, math.nan, -2.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def test_differences_are_zero_on_padding_and_where_the_engine_gave_none():
+    expected = torch.tensor([[0.5, -1.0, 0.0], [0.25, 0.0, 1.5]])
+    assert torch.allclose(logp_differences(TRAINER, SAMPLER, MASK), expected)
+
+
+def test_token_truncate_clamps_each_token_ratio():
+    ratio = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "token_truncate", clip_min=0.5, clip_max=3.0)
+    # exp(0.5) = 1.6487, exp(-1) = 0.3679 -> 0.5, exp(0) = 1, exp(0.25) = 1.2840, exp(1.5) = 4.4817 -> 3.0
+    expected = torch.tensor([[1.6487, 0.5, 1.0], [1.2840, 1.0, 3.0]])
+    assert ratio.shape == (2, 3)
+    assert torch.allclose(ratio, expected, atol=1e-4)
+
+
+def test_token_mask_zeroes_tokens_outside_the_bounds():
+    ratio = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "token_mask", clip_min=0.5, clip_max=3.0)
+    expected = torch.tensor([[1.6487, 0.0, 1.0], [1.2840, 1.0, 0.0]])
+    assert torch.allclose(ratio, expected, atol=1e-4)
+
+
+def test_sequence_modes_use_the_sum_over_the_completion():
+    # Row 0: 0.5 - 1.0 = -0.5 -> exp = 0.6065; row 1: 0.25 + 0 + 1.5 = 1.75 -> exp = 5.7546.
+    truncated = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "sequence_truncate", clip_min=None, clip_max=3.0)
+    assert truncated.shape == (2, 1)
+    assert torch.allclose(truncated, torch.tensor([[0.6065], [3.0]]), atol=1e-4)
+    masked = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "sequence_mask", clip_min=None, clip_max=3.0)
+    assert torch.allclose(masked, torch.tensor([[0.6065], [0.0]]), atol=1e-4)
+    low = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "sequence_mask", clip_min=0.7, clip_max=None)
+    assert torch.allclose(low, torch.tensor([[0.0], [5.7546]]), atol=1e-4)
+
+
+def test_no_bounds_leave_the_ratio_as_it_is():
+    ratio = importance_sampling_ratio(TRAINER, SAMPLER, MASK, "token_truncate", clip_min=None, clip_max=None)
+    assert torch.allclose(ratio[1, 2], torch.tensor(4.4817), atol=1e-4)
+
+
+def test_an_unknown_mode_names_the_setting_and_the_choices():
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode must be one of .*token_truncate.*'tokens'"):
+        importance_sampling_ratio(TRAINER, SAMPLER, MASK, "tokens", clip_min=None, clip_max=3.0)
