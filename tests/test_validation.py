@@ -488,3 +488,21 @@ def test_a_training_set_that_leaves_items_out_of_every_epoch_warns(caplog, items
 def test_use_vllm_without_vllm_names_the_install(build, make_config):
     with pytest.raises(ImportError, match="make install-vllm"):
         build(args=make_config(use_vllm=True))
+
+
+def test_vllm_server_mode_needs_no_local_vllm_and_names_an_unreachable_server(build, make_config):
+    """Server mode talks HTTP only: without a server it fails at construction, naming the address and the fix."""
+    from peft import LoraConfig
+
+    config = make_config(
+        max_steps=1,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url="http://127.0.0.1:9",
+        vllm_server_timeout=1,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ConnectionError, match=r"No vLLM server answers at http://127.0.0.1:9 after 1 s.*docs/vllm.md"):
+        build(args=config, peft_config=lora)
+    with pytest.raises(ValueError, match="LoRA agents only"):
+        build(args=config)  # full fine-tuning: refused before any connection

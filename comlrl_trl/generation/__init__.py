@@ -1,7 +1,8 @@
 """Generation backends for the agents of a team.
 
 `TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with vLLM and pushes each agent's trained
-weights back into its engine after an optimiser step. It needs the `vllm` extra (`make install-vllm`); importing this
+weights back into its engine after an optimiser step. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
+same for LoRA agents through a running vLLM server. It needs the `vllm` extra (`make install-vllm`); importing this
 package does not import vLLM.
 """
 
@@ -10,11 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .vllm_engines import TeamVLLM, plan_engines
+    from .vllm_server import TeamVLLMServer
 
-__all__ = ["TeamVLLM", "plan_engines"]
+__all__ = ["TeamVLLM", "TeamVLLMServer", "plan_engines"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "TeamVLLMServer":
+        from . import vllm_server
+
+        return vllm_server.TeamVLLMServer
     if name in __all__:
         from . import vllm_engines
 

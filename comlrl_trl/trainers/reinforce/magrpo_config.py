@@ -79,7 +79,9 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             With `use_vllm=True` (TRL's field; generation through the team's vLLM engines, see docs/vllm.md), how LoRA
             agents on one base model generate: `"adapter"`, one engine for the team and each agent's adapter passed
             per request (one copy of the base in memory); `"merged"`, one engine per agent with its adapter merged
-            into the weights (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX).
+            into the weights (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX). With TRL's
+            `vllm_mode="server"` and `vllm_server_base_url`, LoRA agents on one base model generate through a
+            running vLLM server instead, which loads each agent's adapter after each of its steps (docs/vllm.md).
 
         > Parameters that control the update
 

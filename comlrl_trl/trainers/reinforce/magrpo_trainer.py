@@ -269,18 +269,14 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                     p.data = base.data
 
     def _start_generation_engines(self):
-        """`use_vllm=True`: the team's vLLM engines, one per base model of LoRA agents, one per fully trained agent."""
-        if importlib.util.find_spec("vllm") is None:
+        """`use_vllm=True`: the team's vLLM engines (one per base model of LoRA agents, one per fully trained agent),
+        or, with `vllm_mode="server"`, a running vLLM server that serves every LoRA agent as an adapter."""
+        args = self.args
+        server = args.vllm_mode == "server"
+        if not server and importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "use_vllm=True needs vLLM, which is not installed: `make install-vllm` (a venv with the "
                 "CPU build) or `pip install 'comlrl-trl[vllm]'`."
-            )
-        from ...generation import TeamVLLM
-
-        if self.args.vllm_mode != "colocate":
-            raise ValueError(
-                f"vllm_mode={self.args.vllm_mode!r}: the team trainers run their engines in the "
-                "training process (vllm_mode='colocate'); see docs/vllm.md for server mode."
             )
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError(
@@ -294,22 +290,40 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 f"use_vllm=True samples every agent with the same {', '.join(keys)}; agent_overrides "
                 "sets different ones. Give the agents the same sampling settings, or use_vllm=False."
             )
-        args = self.args
-        engines = TeamVLLM(
-            [agent.model for agent in self._team],
-            [agent.processing_class for agent in self._team],
+        models = [agent.accelerator.unwrap_model(agent.model) for agent in self._team]
+        tokenizers = [agent.processing_class for agent in self._team]
+        sampling = dict(
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k or 0,
             min_p=args.min_p or 0.0,
             repetition_penalty=args.repetition_penalty,
             max_completion_length=args.max_completion_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_length=args.vllm_max_model_length,
             seed=args.seed,
-            dtype="bfloat16" if args.bf16 else "auto",
-            lora_mode=args.vllm_lora_mode,
         )
+        if server:
+            from ...generation import TeamVLLMServer
+
+            engines = TeamVLLMServer(
+                models,
+                tokenizers,
+                base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}",
+                adapter_dir=os.path.join(os.path.abspath(args.output_dir), "vllm-adapters"),
+                timeout=args.vllm_server_timeout,
+                **sampling,
+            )
+        else:
+            from ...generation import TeamVLLM
+
+            engines = TeamVLLM(
+                models,
+                tokenizers,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_length=args.vllm_max_model_length,
+                dtype="bfloat16" if args.bf16 else "auto",
+                lora_mode=args.vllm_lora_mode,
+                **sampling,
+            )
         for agent in self._team:
             agent.use_generation_engines(engines)
         return engines
