@@ -128,7 +128,79 @@ def _merged_weights(model: nn.Module) -> Iterator[Iterator[tuple[str, torch.Tens
         model.unmerge_adapter()
 
 
-class TeamVLLM:
+class _TeamSampling:
+    """What `TeamVLLM` and `TeamVLLMServer` share: the sampling settings, each agent's stop ids, per-call sample seeds
+    and the checks of their arguments."""
+
+    def _init_sampling(
+        self,
+        models: Sequence[nn.Module],
+        tokenizers: Sequence[PreTrainedTokenizerBase],
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        repetition_penalty: float,
+        max_completion_length: int,
+        seed: int | None,
+    ) -> None:
+        if not models:
+            raise ValueError("`models` is empty: pass one model per agent.")
+        if len(tokenizers) != len(models):
+            raise ValueError(
+                f"`tokenizers` has {len(tokenizers)} entries for {len(models)} models: pass one per agent."
+            )
+        if max_completion_length < 1:
+            raise ValueError(f"`max_completion_length` must be >= 1, got {max_completion_length}.")
+        self.sampling = dict(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_tokens=max_completion_length,
+        )
+        self.seed = seed
+        self.max_completion_length = max_completion_length
+        self._stop_ids = [self._eos_ids(model, tokenizer) for model, tokenizer in zip(models, tokenizers)]
+        self._calls = [0] * len(models)
+
+    @staticmethod
+    def _eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        generation_config = getattr(model, "generation_config", None)  # transformers or peft model: both have one
+        eos = generation_config.eos_token_id if generation_config is not None else None
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if not ids:
+            raise ValueError("A tokenizer has no `eos_token_id`: set `tokenizer.eos_token_id` so completions can end.")
+        return sorted(ids)
+
+    def _check_agent(self, agent_index: int) -> None:
+        if not 0 <= agent_index < len(self._stop_ids):
+            raise ValueError(f"`agent_index` must be in [0, {len(self._stop_ids)}), got {agent_index}.")
+
+    def _check_rows(self, prompt_ids: list[list[int]], max_model_length: int | None, fix: str) -> None:
+        if not prompt_ids or not all(isinstance(row, list) and row for row in prompt_ids):
+            raise ValueError("`prompt_ids` must be a non-empty list of non-empty lists of token ids.")
+        longest = max(len(row) for row in prompt_ids)
+        if max_model_length is not None and longest + self.max_completion_length > max_model_length:
+            raise ValueError(
+                f"A prompt of {longest} tokens plus `max_completion_length`={self.max_completion_length} exceeds "
+                f"`max_model_length`={max_model_length}: {fix} or truncate the prompts."
+            )
+
+    def _next_seeds(self, agent_index: int, rows: int, *key: int) -> list[int | None]:
+        """One seed per row of this call of agent `agent_index`, drawn from `(seed, *key, agent_index, call)`; Nones
+        without a seed. Counts the call."""
+        call, self._calls[agent_index] = self._calls[agent_index], self._calls[agent_index] + 1
+        if self.seed is None:
+            return [None] * rows
+        sequence = np.random.SeedSequence([self.seed, *key, agent_index, call])
+        return [int(s) for s in sequence.generate_state(rows, dtype=np.uint32)]
+
+
+class TeamVLLM(_TeamSampling):
     r"""
     vLLM engines that generate for every agent of a team and take each agent's new weights after an optimiser step.
 
@@ -201,14 +273,17 @@ class TeamVLLM:
         enforce_eager: bool = True,
         lora_mode: Literal["adapter", "merged"] = "adapter",
     ):
-        if not models:
-            raise ValueError("`models` is empty: pass one model per agent.")
-        if len(tokenizers) != len(models):
-            raise ValueError(
-                f"`tokenizers` has {len(tokenizers)} entries for {len(models)} models: pass one per agent."
-            )
-        if max_completion_length < 1:
-            raise ValueError(f"`max_completion_length` must be >= 1, got {max_completion_length}.")
+        self._init_sampling(
+            models,
+            tokenizers,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_completion_length=max_completion_length,
+            seed=seed,
+        )
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}.")
         if lora_mode not in ("adapter", "merged"):
@@ -232,18 +307,6 @@ class TeamVLLM:
         from vllm import SamplingParams
 
         self._sampling_params = SamplingParams
-        self.sampling = dict(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            max_tokens=max_completion_length,
-        )
-        self.seed = seed
-        self.max_completion_length = max_completion_length
-        self._stop_ids = [self._eos_ids(model, tokenizer) for model, tokenizer in zip(models, tokenizers)]
-        self._calls = [0] * len(models)
         self._tmp = tempfile.TemporaryDirectory(prefix="comlrl-vllm-")
         self._lora_ids: dict[int, int] = {}
         self._next_lora_id = 1
@@ -273,16 +336,6 @@ class TeamVLLM:
         """Index of the engine that serves agent `agent_index`."""
         self._check_agent(agent_index)
         return self._engine_of[agent_index]
-
-    @staticmethod
-    def _eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        generation_config = getattr(model, "generation_config", None)  # transformers or peft model: both have one
-        eos = generation_config.eos_token_id if generation_config is not None else None
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if not ids:
-            raise ValueError("A tokenizer has no `eos_token_id`: set `tokenizer.eos_token_id` so completions can end.")
-        return sorted(ids)
 
     def _build_engine(
         self,
@@ -334,10 +387,6 @@ class TeamVLLM:
     def _reload(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         llm.collective_rpc(_reload_in_worker, args=(weights,))
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-    def _check_agent(self, agent_index: int) -> None:
-        if not 0 <= agent_index < len(self._stop_ids):
-            raise ValueError(f"`agent_index` must be in [0, {len(self._stop_ids)}), got {agent_index}.")
 
     def sync(self, agent_index: int, model: nn.Module) -> None:
         """Push `model`'s current weights into agent `agent_index`'s engine; call it after each optimiser step.
@@ -394,20 +443,9 @@ class TeamVLLM:
             processed (tempered, filtered) sampling distribution, as TRL's importance-sampling correction needs.
         """
         self._check_agent(agent_index)
-        if not prompt_ids or not all(isinstance(row, list) and row for row in prompt_ids):
-            raise ValueError("`prompt_ids` must be a non-empty list of non-empty lists of token ids.")
-        longest, engine = max(len(row) for row in prompt_ids), self._engine_of[agent_index]
-        if longest + self.max_completion_length > self._max_model_length[engine]:
-            raise ValueError(
-                f"A prompt of {longest} tokens plus `max_completion_length`={self.max_completion_length} exceeds "
-                f"`max_model_length`={self._max_model_length[engine]}: raise `max_model_length` or truncate the "
-                "prompts."
-            )
-        seeds: list[int | None] = [None] * len(prompt_ids)
-        if self.seed is not None:
-            sequence = np.random.SeedSequence([self.seed, agent_index, self._calls[agent_index]])
-            seeds = [int(s) for s in sequence.generate_state(len(prompt_ids), dtype=np.uint32)]
-        self._calls[agent_index] += 1
+        engine = self._engine_of[agent_index]
+        self._check_rows(prompt_ids, self._max_model_length[engine], "raise `max_model_length`")
+        seeds = self._next_seeds(agent_index, len(prompt_ids))
         params = [
             self._sampling_params(
                 n=1, logprobs=0, stop_token_ids=self._stop_ids[agent_index], seed=seed, **self.sampling

@@ -24,12 +24,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from .vllm_engines import TeamVLLM, _is_lora_adapter, _same_base
+from .vllm_engines import _is_lora_adapter, _same_base, _TeamSampling
 
 
 __all__ = ["TeamVLLMServer"]
@@ -41,7 +40,7 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
-class TeamVLLMServer:
+class TeamVLLMServer(_TeamSampling):
     r"""
     LoRA agents of one base model generating through a running vLLM server; the same interface as `TeamVLLM`.
 
@@ -83,12 +82,17 @@ class TeamVLLMServer:
         timeout: float = 240.0,
         max_concurrency: int = 64,
     ):
-        if not models:
-            raise ValueError("`models` is empty: pass one model per agent.")
-        if len(tokenizers) != len(models):
-            raise ValueError(
-                f"`tokenizers` has {len(tokenizers)} entries for {len(models)} models: pass one per agent."
-            )
+        self._init_sampling(
+            models,
+            tokenizers,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_completion_length=max_completion_length,
+            seed=seed,
+        )
         for index, model in enumerate(models):
             if not _is_lora_adapter(model):
                 raise ValueError(
@@ -101,8 +105,6 @@ class TeamVLLMServer:
                     f"vllm_mode='server' serves one base model; agent {index}'s base differs from agent 0's. "
                     "Give every agent the same base model, or use vllm_mode='colocate'."
                 )
-        if max_completion_length < 1:
-            raise ValueError(f"`max_completion_length` must be >= 1, got {max_completion_length}.")
         import requests
 
         self._requests = requests
@@ -112,19 +114,7 @@ class TeamVLLMServer:
         self._wait_until_up(timeout)
         served = self._request("get", "/v1/models")["data"][0]
         self._max_model_length = served.get("max_model_len")
-        self.sampling = dict(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            max_tokens=max_completion_length,
-        )
-        self.seed = seed
-        self.max_completion_length = max_completion_length
         self._max_concurrency = max_concurrency
-        self._stop_ids = [TeamVLLM._eos_ids(model, tokenizer) for model, tokenizer in zip(models, tokenizers)]
-        self._calls = [0] * len(models)
         self._versions = [0] * len(models)
         self._names: dict[int, str] = {}
         self._rank, self._world_size = _distributed()
@@ -143,10 +133,6 @@ class TeamVLLMServer:
     def engine_index(self, agent_index: int) -> int:
         self._check_agent(agent_index)
         return 0
-
-    def _check_agent(self, agent_index: int) -> None:
-        if not 0 <= agent_index < len(self._stop_ids):
-            raise ValueError(f"`agent_index` must be in [0, {len(self._stop_ids)}), got {agent_index}.")
 
     def _run_prefix(self) -> str:
         """A name prefix of this run's adapters, the same on every process, so runs sharing a server never clash."""
@@ -222,20 +208,9 @@ class TeamVLLMServer:
     def generate(self, agent_index: int, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one completion per prompt row for agent `agent_index`; returns what `TeamVLLM.generate` returns."""
         self._check_agent(agent_index)
-        if not prompt_ids or not all(isinstance(row, list) and row for row in prompt_ids):
-            raise ValueError("`prompt_ids` must be a non-empty list of non-empty lists of token ids.")
-        longest = max(len(row) for row in prompt_ids)
-        if self._max_model_length is not None and longest + self.max_completion_length > self._max_model_length:
-            raise ValueError(
-                f"A prompt of {longest} tokens plus `max_completion_length`={self.max_completion_length} exceeds "
-                f"the server's max_model_len={self._max_model_length}: restart the server with a larger "
-                "--max-model-len or truncate the prompts."
-            )
-        seeds: list[int | None] = [None] * len(prompt_ids)
-        if self.seed is not None:
-            sequence = np.random.SeedSequence([self.seed, self._rank, agent_index, self._calls[agent_index]])
-            seeds = [int(s) for s in sequence.generate_state(len(prompt_ids), dtype=np.uint32)]
-        self._calls[agent_index] += 1
+        fix = "restart the server with a larger --max-model-len"
+        self._check_rows(prompt_ids, self._max_model_length, fix)
+        seeds = self._next_seeds(agent_index, len(prompt_ids), self._rank)
         common = dict(
             model=self._names[agent_index],
             logprobs=0,
