@@ -6,6 +6,7 @@ with run-time LoRA loading. The tests check what reaches the server: every agent
 sync, the sampled tokens and their log-probs, and a trainer that generates and trains through it.
 """
 
+import gc
 import os
 import socket
 import subprocess
@@ -140,7 +141,13 @@ def test_a_seed_makes_server_samples_reproducible(server, steer_path, tmp_path):
             seed=3,
         )
         runs.append([team.generate(0, PROMPTS)[0], team.generate(0, PROMPTS)[0]])
-        team.close()
+        assert len(_loaded_adapters(server)) == 1
+        if attempt == 0:
+            team.close()
+        else:
+            del team  # a team that is garbage-collected unloads its adapters too
+            gc.collect()
+        assert _loaded_adapters(server) == [] and os.listdir(tmp_path / str(attempt)) == []
     assert runs[0] == runs[1]  # same seed, same calls: same samples
     assert runs[0][0] != runs[0][1]  # a new call draws new samples
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -120,6 +121,9 @@ class TeamVLLMServer(_TeamSampling):
         self._rank, self._world_size = _distributed()
         self._prefix = self._run_prefix()
         self._adapter_dir = adapter_dir
+        self._release = weakref.finalize(
+            self, _unload_adapters, self._session, self.base_url, self._names, adapter_dir, self._rank == 0
+        )
         if self._rank == 0:
             os.makedirs(adapter_dir, exist_ok=True)
         for agent, model in enumerate(models):
@@ -232,13 +236,23 @@ class TeamVLLMServer(_TeamSampling):
         return [ids for ids, _ in results], [lps for _, lps in results]
 
     def close(self) -> None:
-        """Unload this run's adapters from the server and delete their files; the server keeps running."""
-        if self._rank == 0:
-            for name in self._names.values():
-                try:
-                    self._request("post", "/v1/unload_lora_adapter", json={"lora_name": name})
-                except (RuntimeError, self._requests.RequestException):
-                    pass  # the server is gone or already dropped it: nothing left to free there
-                shutil.rmtree(os.path.join(self._adapter_dir, name), ignore_errors=True)
-        self._names.clear()
-        self._session.close()
+        """Unload this run's adapters from the server and delete their files; the server keeps running.
+
+        It also runs when the object is garbage-collected or the interpreter exits, so a finished run never leaves
+        its adapters loaded on a shared server."""
+        self._release()
+
+
+def _unload_adapters(session: Any, base_url: str, names: dict[int, str], adapter_dir: str, main: bool) -> None:
+    """Unload the adapters in `names` and delete their files (main process only), then close the session."""
+    import requests
+
+    if main:
+        for name in names.values():
+            try:
+                session.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
+            except requests.RequestException:
+                pass  # the server is gone: nothing is left loaded there
+            shutil.rmtree(os.path.join(adapter_dir, name), ignore_errors=True)
+    names.clear()
+    session.close()
