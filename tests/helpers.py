@@ -15,3 +15,13 @@ def snapshot(model):
 def changed(before, model):
     """Names of the trainable parameters that differ from the snapshot."""
     return {name for name, p in model.named_parameters() if name in before and not torch.equal(before[name], p)}
+
+
+def sampling_ratios(trainer) -> list[float]:
+    """TRL's logged mean importance-sampling ratio of every agent at every logged step (use_vllm runs)."""
+    return [
+        log[f"agent_{a}/sampling/importance_sampling_ratio/mean"]
+        for log in trainer.state.log_history
+        for a in range(len(trainer.agents))
+        if f"agent_{a}/sampling/importance_sampling_ratio/mean" in log
+    ]

@@ -16,12 +16,13 @@ import time
 import pytest
 import requests
 import torch
+from helpers import changed, sampling_ratios, snapshot
 
 
 vllm = pytest.importorskip("vllm")
 
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from test_vllm_engines import PROMPTS, _hf_logprobs, _save_tiny  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from test_vllm_engines import PROMPTS, _hf_logprobs, _save_tiny, _steer_adapter  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from comlrl_trl.generation import TeamVLLMServer  # noqa: E402
@@ -82,17 +83,6 @@ def _loaded_adapters(url: str) -> list[str]:
 def _lora(path):
     config = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
     return get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
-
-
-def _steer_adapter(model: PeftModel, dim: int) -> None:
-    """A rank-1 LoRA of the last o_proj that writes ~100 into `dim`, which selects one token (scaling 1)."""
-    o_proj = model.get_base_model().model.layers[-1].self_attn.o_proj
-    with torch.no_grad():
-        lora_a, lora_b = o_proj.lora_A["default"].weight, o_proj.lora_B["default"].weight
-        lora_a.zero_()
-        lora_a[0] = 1.0 / lora_a.shape[1]
-        lora_b.zero_()
-        lora_b[dim, 0] = 100.0
 
 
 def test_adapters_are_served_per_agent_and_every_sync_replaces_them(server, steer_path, tmp_path):
@@ -190,20 +180,14 @@ def test_a_lora_team_trains_through_the_server(server, steer_path, make_config, 
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
     assert isinstance(trainer.generation_engines, TeamVLLMServer)
-    before = [{n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad} for m in trainer.agents]
+    before = [snapshot(model) for model in trainer.agents]
     trainer.train()
     assert generated == [(0, 4), (1, 4), (0, 4), (1, 4)]  # every agent, every step, through the server
-    for agent, model in enumerate(trainer.agents):
-        assert any(not torch.equal(before[agent][n], p) for n, p in model.named_parameters() if p.requires_grad)
+    assert all(changed(before[a], model) for a, model in enumerate(trainer.agents))  # every adapter trained
     adapters = _loaded_adapters(server)
     assert len(adapters) == 2 and all(name.endswith("-v3") for name in adapters)  # synced at steps 0 and 1
     # The server samples from the adapters being trained: TRL's importance-sampling ratios are near 1.
-    ratios = [
-        log[f"agent_{a}/sampling/importance_sampling_ratio/mean"]
-        for log in trainer.state.log_history
-        for a in (0, 1)
-        if f"agent_{a}/sampling/importance_sampling_ratio/mean" in log
-    ]
+    ratios = sampling_ratios(trainer)
     assert len(ratios) == 4 and all(0.9 < ratio < 1.1 for ratio in ratios), ratios
     trainer.generation_engines.close()
     assert _loaded_adapters(server) == []

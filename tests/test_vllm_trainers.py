@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from helpers import sampling_ratios
 
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for these models
@@ -137,12 +138,7 @@ def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_st
         assert "importance_sampling_ratio" not in batch and "old_per_token_logps" not in batch
     assert [agent for agent, _ in scored] == [0, 1, 0, 1]
     # The engines sample from the weights being trained (synced after every step): ratios near 1 at both steps.
-    ratios = [
-        log[f"agent_{a}/sampling/importance_sampling_ratio/mean"]
-        for log in trainer.state.log_history
-        for a in (0, 1)
-        if f"agent_{a}/sampling/importance_sampling_ratio/mean" in log
-    ]
+    ratios = sampling_ratios(trainer)
     assert len(ratios) == 4 and all(0.9 < ratio < 1.1 for ratio in ratios), ratios
 
 

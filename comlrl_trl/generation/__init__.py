@@ -2,8 +2,8 @@
 
 `TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with vLLM and pushes each agent's trained
 weights back into its engine after an optimiser step. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
-same for LoRA agents through a running vLLM server. It needs the `vllm` extra (`make install-vllm`); importing this
-package does not import vLLM.
+same for LoRA agents through a running vLLM server. `TeamVLLM` needs the `vllm` extra (`make install-vllm`);
+`TeamVLLMServer` only talks HTTP to the server. Importing this package does not import vLLM.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -106,6 +106,21 @@ def plan_engines(models: Sequence[nn.Module], lora_mode: Literal["adapter", "mer
     return groups
 
 
+def _write_adapter(model: nn.Module, path: str) -> None:
+    """Write `model`'s active LoRA adapter (weights and config) to a new directory `path`, as vLLM loads it."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    adapter = model.active_adapter
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    save_file(
+        {name: tensor.detach().contiguous() for name, tensor in state.items()},
+        os.path.join(path, "adapter_model.safetensors"),
+    )
+    model.peft_config[adapter].save_pretrained(path)
+
+
 @contextlib.contextmanager
 def _merged_weights(model: nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
     """All weights of `model` under the base model's names; a peft model's adapter is merged while they are read."""
@@ -406,20 +421,11 @@ class TeamVLLM(_TeamSampling):
             with torch.no_grad(), _merged_weights(model) as weights:
                 self._reload(llm, weights)
             return
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         path = os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}")
-        os.makedirs(path)
-        adapter = model.active_adapter
-        state = get_peft_model_state_dict(model, adapter_name=adapter)
-        save_file(
-            {name: tensor.detach().contiguous() for name, tensor in state.items()},
-            os.path.join(path, "adapter_model.safetensors"),
-        )
-        model.peft_config[adapter].save_pretrained(path)
+        _write_adapter(model, path)
         old = self._lora_ids.get(agent_index)
         if old is not None:  # free the slot first: max_loras is the number of agents on this engine
             llm.llm_engine.remove_lora(old)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from .vllm_engines import _is_lora_adapter, _same_base, _TeamSampling
+from .vllm_engines import _is_lora_adapter, _same_base, _TeamSampling, _write_adapter
 
 
 __all__ = ["TeamVLLMServer"]
@@ -146,8 +147,6 @@ class TeamVLLMServer(_TeamSampling):
         return prefix[0]
 
     def _wait_until_up(self, timeout: float) -> None:
-        import time
-
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -185,7 +184,7 @@ class TeamVLLMServer(_TeamSampling):
         name = f"comlrl-{self._prefix}-agent-{agent_index}-v{self._versions[agent_index]}"
         if self._rank == 0:
             path = os.path.join(self._adapter_dir, name)
-            self._write_adapter(model, path)
+            _write_adapter(model, path)
             old = self._names.get(agent_index)
             if old is not None:  # free the slot first: the server holds at most --max-loras adapters
                 self._request("post", "/v1/unload_lora_adapter", json={"lora_name": old})
@@ -194,20 +193,6 @@ class TeamVLLMServer(_TeamSampling):
         if self._world_size > 1:
             torch.distributed.barrier()  # no process asks for the new adapter before the server has it
         self._names[agent_index] = name
-
-    @staticmethod
-    def _write_adapter(model: nn.Module, path: str) -> None:
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        os.makedirs(path)
-        adapter = model.active_adapter
-        state = get_peft_model_state_dict(model, adapter_name=adapter)
-        save_file(
-            {name: tensor.detach().float().contiguous() for name, tensor in state.items()},
-            os.path.join(path, "adapter_model.safetensors"),
-        )
-        model.peft_config[adapter].save_pretrained(path)
 
     def generate(self, agent_index: int, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one completion per prompt row for agent `agent_index`; returns what `TeamVLLM.generate` returns."""
