@@ -15,6 +15,7 @@ from trl import ModelConfig
 
 from comlrl_trl.joint_reward import accepts_keyword
 from comlrl_trl.plotting import plot_reward_curve
+from comlrl_trl.team_settings import write_team_settings
 
 
 # The defaults of a bare `accelerate launch recipes/magrpo.py`: the demo that finishes in minutes on 2 CPU cores.
@@ -80,8 +81,33 @@ def team_formatters(task, chat: bool) -> list:
     return [as_chat(f) for f in task.formatters] if chat else list(task.formatters)
 
 
+# The recipe options that recipes/evaluate.py takes from a saved run: task, prompt formatting, data and reward.
+RECIPE_SETTINGS = (
+    "task",
+    "chat",
+    "dataset_name",
+    "dataset_config",
+    "dataset_test_split",
+    "prompt_column",
+    "reward_func",
+)
+
+
+def recipe_settings(recipe) -> dict[str, Any]:
+    """The [`RECIPE_SETTINGS`] of `recipe`, with local data and reward files as absolute paths (so that an evaluation
+    run from another directory finds them)."""
+    settings = {name: getattr(recipe, name) for name in RECIPE_SETTINGS}
+    if settings["dataset_name"] is not None and os.path.exists(settings["dataset_name"]):
+        settings["dataset_name"] = os.path.abspath(settings["dataset_name"])
+    module, sep, function = (settings["reward_func"] or "").rpartition(":")
+    if sep and module.endswith(".py") and os.path.isfile(module):
+        settings["reward_func"] = f"{os.path.abspath(module)}:{function}"
+    return settings
+
+
 def train_and_report(trainer, recipe, config, final_evaluation: Callable[[], dict]) -> dict:
-    """Train (resuming when asked), evaluate, save the agents to output_dir/models and write the report.
+    """Train (resuming when asked), evaluate, save the agents to output_dir/models (with team_settings.json: the
+    sampling settings and the recipe's [`RECIPE_SETTINGS`]) and write the report.
 
     `recipe` gives the run's `task`, `dataset_name`, `reward_func`, `algorithm` and `plot`; the report is
     output_dir/metrics.json (and reward_curve.png), written by the main process, which returns it as a dict (the other
@@ -90,7 +116,10 @@ def train_and_report(trainer, recipe, config, final_evaluation: Callable[[], dic
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     final_eval = final_evaluation()
-    trainer.save_model(os.path.join(config.output_dir, "models"))
+    models = os.path.join(config.output_dir, "models")
+    trainer.save_model(models)
+    if trainer.args.should_save:  # team_settings.json again, with the recipe's options, for recipes/evaluate.py
+        write_team_settings(models, trainer.args, recipe=recipe_settings(recipe))
     return _report(trainer, recipe, config, final_eval, time.perf_counter() - started)
 
 

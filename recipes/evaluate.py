@@ -13,20 +13,32 @@ of the joint program and of the main agent alone, per turn.
 Generation follows the `MAGRPOConfig` options (`--temperature`, `--top_p`, `--max_new_tokens`, `--num_turns`,
 `--eval_batch_size`, `--seed`, ...); `--help` lists them all. Metrics go to `--output` (default
 `output_dir/eval_metrics.json`).
+
+A directory written by `save_model` holds `team_settings.json`: the run's sampling settings (`max_new_tokens`,
+`temperature`, `top_p`, `top_k`, `num_turns`, per-agent overrides, ...) and, from the recipes, its task, chat
+formatting, data and reward. With `--model_dir` (or `--agents` naming its `agent_i` directories) these are the
+defaults: a value given on the command line or in a `--config` file wins, and the data options (`--task`,
+`--dataset_name`, `--dataset_config`, `--prompt_column`, `--reward_func`) are taken from the run only all together,
+when none of them is given. The script prints each setting with its source (saved run, user or evaluate default)
+and writes them into the metrics JSON under "settings". Without the file (an older save) the defaults below apply.
 """
 
+import argparse
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+import yaml
 from common import HelpFormatter, default_model, model_init_kwargs, team_formatters
 from trl import ModelConfig
 from user_data import TASKS, DataArguments, load_task
 
 from comlrl_trl.compat import CompatTrlParser
+from comlrl_trl.team_settings import TEAM_SETTINGS_NAME, read_team_settings
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
@@ -71,12 +83,175 @@ class EvaluateArguments(DataArguments):
     )
 
 
-def make_parser() -> CompatTrlParser:
-    parser = CompatTrlParser(
+# Names of one setting: a value given under any of them is the user's.
+SETTING_NAMES = {"max_new_tokens": ("max_new_tokens", "max_completion_length")}
+# agent_overrides keys (canonical) -> the team settings they refine.
+OVERRIDE_NAMES = {"max_completion_length": ("max_new_tokens", "max_completion_length")}
+# Saved but not used here: the training group size (here --num_samples paths per item) and the team size (the agents).
+NOT_APPLIED = ("num_generations", "num_agents")
+# The data and reward of a run: taken from the saved run together, only when the user gives none of them.
+DATA_SETTINGS = ("task", "dataset_name", "dataset_config", "prompt_column", "reward_func")
+# Settings listed with their source in the printout and in the report.
+REPORTED = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "generation_kwargs",
+    "max_prompt_length",
+    "num_turns",
+    "discount",
+    "early_termination_threshold",
+    "external_prompt_passthrough",
+    "agent_overrides",
+    "chat",
+    *DATA_SETTINGS,
+    "dataset_test_split",
+)
+SAVED, USER, DEFAULT = "saved run", "user", "evaluate default"
+
+
+@dataclass
+class RunSettings:
+    """Where the evaluation's settings came from: the saved `team_settings.json` (or None), the values it gave
+    (`applied`), the settings the user gave (`given`) and a one-line note for the report."""
+
+    file: str | None
+    applied: dict[str, Any]
+    given: set[str]
+    note: str
+
+    def source(self, name: str) -> str:
+        if self.given.intersection(SETTING_NAMES.get(name, (name,))):
+            return USER
+        return SAVED if name in self.applied else DEFAULT
+
+
+def saved_defaults(saved: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The settings of a `team_settings.json` (as `read_team_settings` returns it) that become defaults: every saved
+    one the user did not give (`given`: option names from the command line or a --config file). Saved per-agent
+    overrides of a setting the user gave are dropped, so that the user's value holds for every agent."""
+    defaults = {}
+    for name, value in saved["generation"].items():
+        if name not in NOT_APPLIED and not given.intersection(SETTING_NAMES.get(name, (name,))):
+            defaults[name] = value
+    if defaults.get("agent_overrides"):
+        kept = [
+            {key: value for key, value in entry.items() if not given.intersection(OVERRIDE_NAMES.get(key, (key,)))}
+            for entry in defaults["agent_overrides"]
+        ]
+        defaults["agent_overrides"] = kept if any(kept) else None
+        if any(kept):
+            defaults["num_agents"] = len(kept)  # validated against the overrides before the agents are counted
+    recipe = saved.get("recipe") or {}
+    if not given.intersection(DATA_SETTINGS):
+        defaults.update({name: recipe[name] for name in DATA_SETTINGS if name in recipe})
+    defaults.update(
+        {name: recipe[name] for name in ("chat", "dataset_test_split") if name in recipe and name not in given}
+    )
+    return defaults
+
+
+def settings_directory(model_dir: str | None, agents: list[str] | None) -> str | None:
+    """The save_model directory of the agents: `--model_dir`, or the one directory holding every `--agents` path as
+    its `agent_i` (in order); None otherwise."""
+    if model_dir:
+        return model_dir
+    if not agents:
+        return None
+    parents = {os.path.dirname(os.path.normpath(path)) for path in agents}
+    names = [os.path.basename(os.path.normpath(path)) for path in agents]
+    if len(parents) == 1 and names == [f"agent_{i}" for i in range(len(agents))]:
+        return parents.pop()
+    return None
+
+
+class EvaluateParser(CompatTrlParser):
+    """The evaluate script's parser: defaults to the saved run's settings (see the module docstring); after
+    `parse_args_and_config`, `run_settings` says where each setting came from."""
+
+    run_settings: RunSettings | None = None
+
+    def parse_args_and_config(self, args=None, *rest, **kwargs):
+        args = list(args) if args is not None else sys.argv[1:]
+        probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        probe.add_argument("--config")
+        probe.add_argument("--model_dir", "--model-dir")
+        probe.add_argument("--agents", nargs="+")
+        early, _ = probe.parse_known_args(args)
+        from_file = {}
+        if early.config is not None:
+            with open(early.config) as f:
+                from_file = yaml.safe_load(f) or {}
+        command_line = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+        given = set(from_file) | self._given_on_command_line(command_line)
+        directory = settings_directory(
+            early.model_dir or from_file.get("model_dir"), early.agents or from_file.get("agents")
+        )
+        saved = read_team_settings(directory) if directory is not None else None
+        if saved is not None:
+            dests = {action.dest for action in self._actions}
+            applied = {k: v for k, v in saved_defaults(saved, given).items() if k in dests}
+            self.set_defaults(**applied)
+            file = os.path.join(directory, TEAM_SETTINGS_NAME)
+            note = (
+                f"defaults from the saved run {file} (comlrl_trl {saved.get('comlrl_trl_version')}); "
+                "values given on the command line or in --config win"
+            )
+        else:
+            applied, file = {}, None
+            note = (
+                f"{directory} has no {TEAM_SETTINGS_NAME} (saved by an older comlrl_trl, or not by save_model): "
+                f"evaluate's defaults apply (max_new_tokens={EVAL_DEFAULTS['max_new_tokens']}, temperature="
+                f"{EVAL_DEFAULTS['temperature']}); pass the run's sampling settings for a score comparable with its "
+                "evaluations"
+                if directory is not None
+                else "no saved run: evaluate's defaults apply"
+            )
+        for names in SETTING_NAMES.values():  # one name given: the other's default must not contradict it
+            if given.intersection(names):
+                self.set_defaults(**dict.fromkeys(names))
+        self.run_settings = RunSettings(file=file, applied=applied, given=given, note=note)
+        return super().parse_args_and_config(args, *rest, **kwargs)
+
+    def _given_on_command_line(self, args: list[str]) -> set[str]:
+        """The destinations that `args` itself sets (defaults left out): parse with every default suppressed."""
+        if "-h" in args or "--help" in args:
+            return set()
+        defaults, parser_defaults = [(action, action.default) for action in self._actions], self._defaults
+        try:
+            for action in self._actions:
+                action.default = argparse.SUPPRESS
+            self._defaults = {}
+            namespace, _ = argparse.ArgumentParser.parse_known_args(self, args)
+        finally:
+            for action, default in defaults:
+                action.default = default
+            self._defaults = parser_defaults
+        return set(vars(namespace))
+
+
+def make_parser() -> EvaluateParser:
+    parser = EvaluateParser(
         (EvaluateArguments, MAGRPOConfig, ModelConfig), description=__doc__, formatter_class=HelpFormatter
     )
     parser.set_defaults(**EVAL_DEFAULTS)
     return parser
+
+
+def settings_report(settings: RunSettings | None, args: EvaluateArguments, config: MAGRPOConfig) -> dict[str, Any]:
+    """The settings the evaluation used, each with its value and source, for the printout and the report."""
+    values = {}
+    for name in REPORTED:
+        value = getattr(args, name) if hasattr(args, name) else getattr(config, name)
+        values[name] = {"value": value, "source": settings.source(name) if settings is not None else "main() caller"}
+    return {
+        "file": settings.file if settings is not None else None,
+        "note": settings.note if settings is not None else "settings given to main() directly",
+        "values": values,
+    }
 
 
 def resolve_agents(args: EvaluateArguments, num_agents: int, model_args: ModelConfig) -> list[str]:
@@ -149,7 +324,10 @@ class SampleRecorder:
                 f.write(json.dumps(sample) + "\n")
 
 
-def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig) -> dict:
+def main(
+    args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig, settings: RunSettings | None = None
+) -> dict:
+    """Evaluate and write the report; `settings` (the parser's `run_settings`) says where each setting came from."""
     agents = resolve_agents(args, config.num_agents, model_args)
     config.num_agents = len(agents)
     config.model_init_kwargs = model_init_kwargs(model_args)
@@ -165,6 +343,10 @@ def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig)
         eval_aggregator=recorder.aggregator,
         args=config,
     )
+    used = settings_report(settings, args, config)
+    if trainer.accelerator.is_main_process:
+        lines = [f"  {name}={entry['value']!r} ({entry['source']})" for name, entry in used["values"].items()]
+        print(f"settings: {used['note']}\n" + "\n".join(lines), flush=True)
     started = time.perf_counter()
     metrics = trainer.evaluate(num_eval_samples=len(items))
     seconds = time.perf_counter() - started
@@ -181,6 +363,7 @@ def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig)
         "top_p": config.top_p,
         "chat": args.chat,
         "seed": config.seed,
+        "settings": used,
         "seconds": round(seconds, 1),
         "metrics": metrics,
         "arguments": asdict(args),
@@ -199,4 +382,5 @@ def main(args: EvaluateArguments, config: MAGRPOConfig, model_args: ModelConfig)
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    main(*make_parser().parse_args_and_config())
+    parser = make_parser()
+    main(*parser.parse_args_and_config(), settings=parser.run_settings)

@@ -3,6 +3,7 @@ recipes/evaluate.py scores saved agents (full models and LoRA adapter directorie
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from datasets import Dataset
 from helpers import length_ratio_reward
 
+import comlrl_trl
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
@@ -28,10 +30,12 @@ TRAINERS = {
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))
-def test_trainer_without_train_dataset_evaluates_and_refuses_to_train(name, qwen_path, make_config):
+def test_trainer_without_train_dataset_evaluates_and_refuses_to_train(name, qwen_path, make_config, tmp_path):
     trainer_cls, config_cls, settings = TRAINERS[name]
     kwargs = {"critic_model": qwen_path} if name in ("iac", "maac") else {}
-    config = make_config(config_cls=config_cls, max_new_tokens=4, eval_num_samples=3, **settings)
+    config = make_config(
+        config_cls=config_cls, max_new_tokens=4, temperature=0.7, top_p=0.9, eval_num_samples=3, **settings
+    )
     trainer = trainer_cls(
         agent_model=qwen_path, reward_func=length_ratio_reward, eval_dataset=EVAL_ITEMS, args=config, **kwargs
     )
@@ -40,6 +44,14 @@ def test_trainer_without_train_dataset_evaluates_and_refuses_to_train(name, qwen
     assert set(metrics) >= {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
     with pytest.raises(ValueError, match=f"{trainer_cls.__name__} was built without a train_dataset.*evaluate"):
         trainer.train()
+    # save_model writes the sampling settings next to the agents, for recipes/evaluate.py.
+    trainer.save_model(str(tmp_path / "saved"))
+    assert {"agent_0", "agent_1", "team_settings.json"} <= set(os.listdir(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "team_settings.json").read_text())
+    assert saved["comlrl_trl_version"] == comlrl_trl.__version__ and saved["config_class"] == config_cls.__name__
+    generation = saved["generation"]
+    assert (generation["max_new_tokens"], generation["temperature"], generation["top_p"]) == (4, 0.7, 0.9)
+    assert (generation["num_turns"], generation["agent_overrides"]) == (1, None)
 
 
 def _script(name: str):
@@ -52,7 +64,15 @@ def _script(name: str):
 
 def _evaluate(argv):
     script = _script("evaluate")
-    return script.main(*script.make_parser().parse_args_and_config(args=argv))
+    parser = script.make_parser()
+    return script.main(*parser.parse_args_and_config(args=argv), settings=parser.run_settings)
+
+
+def _parse(argv):
+    """What recipes/evaluate.py would run with: (EvaluateArguments, MAGRPOConfig, where each setting came from)."""
+    parser = _script("evaluate").make_parser()
+    args, config, _ = parser.parse_args_and_config(args=argv)
+    return args, config, parser.run_settings
 
 
 def test_evaluate_full_models_on_humaneval_with_k_samples(qwen_path, tmp_path):
@@ -120,25 +140,92 @@ def test_evaluate_saved_lora_agents_on_user_data(qwen_path, tmp_path, monkeypatc
     )
     models = tmp_path / "run" / "models"
     assert (models / "agent_0" / "adapter_config.json").is_file()
+    # The run's data, reward, prompt formatting and sampling come from its team_settings.json.
     report = _evaluate(
-        [
-            *options,
-            "--model_dir",
-            str(models),
-            "--dataset_test_split",
-            "train",
-            "--num_samples",
-            "2",
-            "--max_new_tokens",
-            "4",
-            "--output_dir",
-            str(tmp_path / "eval"),
-        ]
+        ["--model_dir", str(models), "--dataset_test_split", "train", "--num_samples", "2"]
+        + ["--output_dir", str(tmp_path / "eval")]
     )
     assert report["agents"] == [str(models / "agent_0"), str(models / "agent_1")]
     assert report["items"] == 2 and "eval/turn_1/reward_mean" in report["metrics"]
-    assert (tmp_path / "eval" / "eval_metrics.json").is_file()
+    saved = json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())
+    values = saved["settings"]["values"]
+    assert values["dataset_name"] == {"value": str(data), "source": "saved run"}  # absolute: found from anywhere
+    assert values["reward_func"] == {"value": "rewards:score", "source": "saved run"}
+    assert values["prompt_column"] == {"value": "text", "source": "saved run"}
+    assert values["chat"] == {"value": True, "source": "saved run"}
+    # 4 new tokens at T=1.0 as in training, not evaluate's 256 at T=0.8
+    assert values["max_new_tokens"] == {"value": 4, "source": "saved run"}
+    assert values["temperature"] == {"value": 1.0, "source": "saved run"}
+    assert values["dataset_test_split"] == {"value": "train", "source": "user"}
+    assert saved["settings"]["file"] == str(models / "team_settings.json")
     with pytest.raises(ValueError, match="no agent_0, agent_1"):
         _evaluate(["--model_dir", str(tmp_path), "--task", "length_ratio"])
     with pytest.raises(ValueError, match="--dataset_test_split 'test' is not a split"):
         _evaluate([*options, "--model_dir", str(models)])
+
+
+@pytest.fixture
+def saved_team(qwen_path, make_config, tmp_path):
+    """A tiny team saved by save_model after training with 7 new tokens at T=1.0 (agent 1 samples at T=0.5)."""
+    config = make_config(
+        max_new_tokens=7,
+        temperature=1.0,
+        top_p=0.9,
+        agent_overrides=[{}, {"temperature": 0.5, "learning_rate": 0.01}],
+    )
+    trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, args=config)
+    trainer.save_model(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+def test_save_model_writes_the_sampling_settings(saved_team):
+    generation = json.loads((saved_team / "team_settings.json").read_text())["generation"]
+    assert (generation["max_new_tokens"], generation["temperature"], generation["top_p"]) == (7, 1.0, 0.9)
+    assert generation["agent_overrides"] == [{}, {"temperature": 0.5}]  # the optimiser key is not a sampling one
+    assert generation["num_agents"] == 2 and generation["num_generations"] == 4
+
+
+def test_evaluate_defaults_to_the_saved_settings_and_explicit_values_win(saved_team, tmp_path):
+    base = ["--model_dir", str(saved_team), "--task", "length_ratio"]
+    _, config, settings = _parse(base)
+    assert (config.max_new_tokens, config.temperature, config.top_p) == (7, 1.0, 0.9)  # evaluate's: 256, 0.8, 1.0
+    assert config.agent_overrides == [{}, {"temperature": 0.5}]
+    assert [settings.source(name) for name in ("max_new_tokens", "temperature", "task", "seed")] == [
+        "saved run",
+        "saved run",
+        "user",
+        "evaluate default",
+    ]
+    _, config, settings = _parse([*base, "--max_new_tokens", "5"])
+    assert (config.max_new_tokens, config.temperature) == (5, 1.0)
+    assert (settings.source("max_new_tokens"), settings.source("temperature")) == ("user", "saved run")
+    _, config, settings = _parse([*base, "--max_completion_length", "5"])  # TRL's name of it
+    assert config.max_new_tokens == 5 and settings.source("max_new_tokens") == "user"
+    _, config, _ = _parse([*base, "--temperature", "0.3"])  # the user's temperature holds for every agent
+    assert config.temperature == 0.3 and config.agent_overrides is None
+    (tmp_path / "eval.yaml").write_text("top_p: 0.5\n")
+    _, config, settings = _parse([*base, "--config", str(tmp_path / "eval.yaml")])
+    assert (config.top_p, config.max_new_tokens) == (0.5, 7) and settings.source("top_p") == "user"
+    _, config, settings = _parse(["--agents", str(saved_team / "agent_0"), str(saved_team / "agent_1")])
+    assert config.max_new_tokens == 7 and settings.file == str(saved_team / "team_settings.json")
+    _, config, settings = _parse(["--agents", str(saved_team / "agent_1"), str(saved_team / "agent_0")])
+    assert config.max_new_tokens == 256 and settings.file is None  # not the save's agent_0, agent_1 in order
+
+
+def test_evaluate_reports_the_settings_and_falls_back_without_a_settings_file(saved_team, tmp_path, capsys):
+    output = tmp_path / "metrics.json"
+    argv = ["--model_dir", str(saved_team), "--task", "length_ratio", "--max_items", "1", "--output", str(output)]
+    report = _evaluate([*argv, "--max_new_tokens", "5"])
+    values = json.loads(output.read_text())["settings"]["values"]
+    assert values["max_new_tokens"] == {"value": 5, "source": "user"} and report["max_new_tokens"] == 5
+    assert values["temperature"] == {"value": 1.0, "source": "saved run"}
+    assert values["agent_overrides"] == {"value": [{}, {"temperature": 0.5}], "source": "saved run"}
+    assert "max_new_tokens=5 (user)" in capsys.readouterr().out
+    # A directory saved before team_settings.json existed: evaluate's defaults, and a message saying so.
+    (saved_team / "team_settings.json").unlink()
+    report = _evaluate(argv)
+    settings = json.loads(output.read_text())["settings"]
+    assert settings["file"] is None and "has no team_settings.json" in settings["note"]
+    assert settings["values"]["max_new_tokens"] == {"value": 256, "source": "evaluate default"}
+    assert settings["values"]["temperature"] == {"value": 0.8, "source": "evaluate default"}
+    assert report["max_new_tokens"] == 256 and "has no team_settings.json" in capsys.readouterr().out

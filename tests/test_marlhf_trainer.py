@@ -306,7 +306,7 @@ def test_rl_rewards_are_the_reward_models_scores_and_evaluation_uses_the_task_re
     assert len(task_calls) == count + 1 and set(metrics) == {"eval/turn_1/reward_mean", "eval/turn_1/expected_return"}
     assert metrics["eval/turn_1/reward_mean"] == 10.0 * task_calls[-1][2][0]
     trainer.save_model(str(tmp_path / "saved"))
-    assert sorted(os.listdir(tmp_path / "saved")) == ["agent_0", "agent_1"]
+    assert sorted(os.listdir(tmp_path / "saved")) == ["agent_0", "agent_1", "team_settings.json"]
     assert os.listdir(tmp_path / "cwd") == []
 
 

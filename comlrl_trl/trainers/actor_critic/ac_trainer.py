@@ -232,7 +232,8 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
     # ----- saving and checkpoints -----
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Export the actors to `output_dir/agent_i/` and the critics with their `value_head.pt` (see the class)."""
+        """Export the actors to `output_dir/agent_i/`, the critics with their `value_head.pt` (see the class) and the
+        sampling settings to `output_dir/team_settings.json`."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         super().save_model(output_dir, _internal_call=_internal_call)
         self.critic_set.save(output_dir)

@@ -421,8 +421,9 @@ class MARLHFTrainer(PreferenceCheckpoints):
     # ----- saving -----
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Export every agent to `output_dir/agent_i/` (as [`MAGRPOTrainer.save_model`]); the reward model is not
-        exported (`trainer.reward_model.save_pretrained(...)` does that)."""
+        """Export every agent to `output_dir/agent_i/` and the sampling settings to `output_dir/team_settings.json`
+        (as [`MAGRPOTrainer.save_model`]); the reward model is not exported (`trainer.reward_model.save_pretrained(...)`
+        does that)."""
         self.rl_trainer.save_model(output_dir)
 
 

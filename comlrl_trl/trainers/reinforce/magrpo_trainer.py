@@ -43,6 +43,7 @@ from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
 from ...orchestrator import JointRolloutOrchestrator
+from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
 from ..team_checkpoints import TeamCheckpoints
 from ..team_evaluation import TeamEvaluation
@@ -523,10 +524,12 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     # ----- saving -----
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Export every agent to `output_dir/agent_i/` (config, weights or LoRA adapter, tokenizer).
+        """Export every agent to `output_dir/agent_i/` (config, weights or LoRA adapter, tokenizer), and the team's
+        sampling settings to `output_dir/team_settings.json` (see `comlrl_trl.team_settings`).
 
         An export, not a checkpoint: optimiser state is not saved. Each `agent_i` directory can be passed back
-        as an entry of `agents=[...]` to continue training.
+        as an entry of `agents=[...]` to continue training; `recipes/evaluate.py --model_dir output_dir` evaluates
+        the team with the settings it was trained with.
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         for i, agent in enumerate(self._team):
@@ -535,6 +538,8 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 super().save_model(path, _internal_call=_internal_call)
             else:
                 agent.save_model(path, _internal_call=_internal_call)
+        if self.args.should_save:
+            write_team_settings(output_dir, self.args)
 
 
 class _TeamCallback(TrainerCallback):
