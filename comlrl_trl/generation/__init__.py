@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 
 if TYPE_CHECKING:
-    from .vllm_engines import TeamVLLM, plan_engines
+    from .vllm_engines import TeamVLLM, check_one_architecture, plan_weights
     from .vllm_server import TeamVLLMServer
 
-__all__ = ["TeamVLLM", "TeamVLLMServer", "plan_engines"]
+__all__ = ["TeamVLLM", "TeamVLLMServer", "check_one_architecture", "plan_weights"]
 
 
 def __getattr__(name: str) -> Any:
