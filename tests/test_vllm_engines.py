@@ -29,7 +29,7 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from comlrl_trl.generation import TeamVLLM, plan_weights  # noqa: E402
+from comlrl_trl.generation import TeamVLLM, check_one_architecture, plan_weights  # noqa: E402
 from comlrl_trl.testing import build_tokenizer  # noqa: E402
 
 
@@ -352,8 +352,12 @@ def test_invalid_arguments_name_the_argument(tied_path, tied_team, tmp_path):
     # One engine per process holds every agent's weights in turn: one architecture only, refused before vLLM starts.
     llama_path = _save_tiny(tmp_path / "llama", tied=False, steerable=False, kind="llama")
     llama_tokenizer = AutoTokenizer.from_pretrained(llama_path)
-    with pytest.raises(ValueError, match=r"same architecture; agent 1 differs from agent 0 \(architectures"):
+    with pytest.raises(ValueError, match=r"same architecture; agent 1 differs from agent 0 \(model class"):
         TeamVLLM([_load(tied_path), _load(llama_path)], [tokenizer, llama_tokenizer])
+    # Names, token ids, dtype and a missing `architectures` (a model built in memory) are not architecture.
+    renamed = _load(tied_path).to(torch.bfloat16)
+    renamed.config._name_or_path, renamed.config.architectures, renamed.config.pad_token_id = "other", None, 3
+    check_one_architecture([_load(tied_path), renamed])
     with pytest.raises(ValueError, match="agent 1 differs from agent 0 \\(tie_word_embeddings: True vs False\\)"):
         TeamVLLM(
             [_load(tied_path), _load(_save_tiny(tmp_path / "untied", tied=False, steerable=False))], [tokenizer] * 2
