@@ -1,7 +1,7 @@
 """Generation backends for the agents of a team.
 
-`TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with vLLM and pushes each agent's trained
-weights back into its engine after an optimiser step. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
+`TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with one vLLM engine per process and loads
+each agent's trained weights (or adapter) into it before the agent generates. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
 same for LoRA agents through a running vLLM server. `TeamVLLM` needs the `vllm` extra (`make install-vllm`);
 `TeamVLLMServer` only talks HTTP to the server. Importing this package does not import vLLM.
 """

@@ -1,17 +1,21 @@
-"""vLLM engines for a team of agents: sampling with token log-probs, and weight sync after each optimiser step.
+"""The vLLM engine of a team of agents: sampling with token log-probs, each agent's weights loaded in turn.
 
-Engine layout (`plan_engines`):
+Layout: ONE engine per process, what vLLM supports on GPUs (an engine profiles the free GPU memory and sets up
+process-wide parallel groups). Agents are grouped by the weights the engine must hold for them (`plan_weights`):
 
 - LoRA agents (peft `PeftModel` with a plain LoRA adapter) whose base models have the same `name_or_path` and equal
-  frozen weights share ONE engine built with `enable_lora=True`; each agent is served by its own `LoRARequest`.
+  frozen weights form one group: the engine (built with `enable_lora=True`) holds their base, and each agent is
+  served by its own `LoRARequest`.
 - Every other agent (full fine-tuning, or a peft model that cannot be served as a LoRA adapter: DoRA,
-  `modules_to_save`, non-LoRA peft types) gets its own engine, and its weights are pushed merged.
+  `modules_to_save`, non-LoRA peft types) is a group of its own, whose merged weights are loaded into the engine
+  before the agent generates, when another group's weights are in it or the agent stepped since.
 
-Engines are built from the model's config only (`load_format="dummy"`) and then receive the in-memory weights through
-the same path as a later `sync`, so an engine always matches the model it was given, whatever checkpoint (or none) it
-came from.
+All agents must have the same architecture (`check_one_architecture`). With several processes every process builds
+its own engine (vLLM's `external_launcher` backend) and generates its own rows. The engine is built from the model's
+config only (`load_format="dummy"`) and receives the in-memory weights through the same path as every later load, so
+it always matches the models it was given, whatever checkpoint (or none) they came from.
 
-Weight sync goes through the worker's `reload_weights(weights_iterator=...)` (vLLM's layerwise reload). Calling the
+Weight loads go through the worker's `reload_weights(weights_iterator=...)` (vLLM's layerwise reload). Calling the
 vLLM model's `load_weights` directly, as TRL's colocate sync does, fails on the CPU backend with `'Parameter' object
 has no attribute 'weight_loader'`: after loading, the CPU backend replaces the layers' parameters by plain tensors
 without their loaders, and only the reload path restores them before loading and re-processes the weights after.
