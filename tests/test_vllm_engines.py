@@ -310,14 +310,15 @@ def test_a_peft_model_vllm_cannot_serve_as_lora_generates_with_its_merged_weight
             if "lora_B" in name:
                 param.copy_(torch.randn_like(param) * 0.3)
     reference = _hf_logprobs(model, PROMPTS[0], [11, 12, 13])
-    team = TeamVLLM([model, _lora(tied_path)], [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
+    models = [model, _lora(tied_path)]
+    team = TeamVLLM(models, [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
     try:
         assert team.weight_groups == [[0], [1]]
-        for agent in (0, 1, 0):  # the LoRA agent's base, then the DoRA agent's merged weights again
+        for agent in (0, 1, 0):  # the DoRA agent's merged weights, the LoRA agent's base, the merged weights again
             completions, logprobs = team.generate(agent, PROMPTS)
-            if agent == 0:
-                for prompt, row, lps in zip(PROMPTS, completions, logprobs):
-                    torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(model, prompt, row), atol=1e-4, rtol=0)
+            for prompt, row, lps in zip(PROMPTS, completions, logprobs):
+                expected = _hf_logprobs(models[agent], prompt, row)
+                torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
         torch.testing.assert_close(_hf_logprobs(model, PROMPTS[0], [11, 12, 13]), reference)  # unmerged again
     finally:
         team.close()
