@@ -9,9 +9,10 @@ prompts (temperature 1, no top-k/top-p), up to `--max-new-tokens` tokens; a comp
 generated tokens (up to and including EOS) per wall second, per agent, after one warm-up call. Rows:
 
 - HF `generate` in fp32, and in fp32 weights under `torch.autocast("cpu", torch.bfloat16)`;
-- vLLM, full fine-tuning: one engine per agent (bf16 and fp32 engines), and the time to sync one agent's weights;
-- vLLM, LoRA (r=16 on all linear layers): `lora_mode="adapter"`, ONE engine serving both adapters, and the time to
-  sync one adapter; `lora_mode="merged"`, one engine per agent with its merged weights, and the time of a merged sync.
+- vLLM, full fine-tuning: ONE engine for both agents (bf16 and fp32 engines), and the time to load one agent's weights
+  into it (each agent's first call after the other agent generated loads them; the warm-up call included);
+- vLLM, LoRA (r=16 on all linear layers): `lora_mode="adapter"`, both adapters served by the one engine, and the time
+  to sync one adapter; `lora_mode="merged"`, each agent's merged weights loaded in turn, and the time of those loads.
 
 bf16 rows (`--dtypes float32,bfloat16`) pay off only on CPUs with AVX512-BF16 or AMX; elsewhere bf16 matrix
 products are emulated and slower than fp32.
@@ -150,15 +151,15 @@ def main() -> None:
         team = TeamVLLM(agents, [tokenizer] * 2, max_completion_length=args.max_new_tokens, seed=0, dtype=dtype)
         startup = time.perf_counter() - start
         for agent in range(2):
-            result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
-            start = time.perf_counter()
             team.sync(agent, agents[agent])
+            before = team.load_seconds
+            result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
             add(
-                f"vLLM full FT ({team.num_engines} engines, {dtype})",
+                f"vLLM full FT (one engine, {dtype})",
                 agent,
                 result,
-                engines_start_s=startup,
-                sync_s=time.perf_counter() - start,
+                engine_start_s=startup,
+                load_s=team.load_seconds - before,
             )
         team.close()
 
@@ -180,15 +181,18 @@ def main() -> None:
         )
         startup = time.perf_counter() - start
         for agent in range(2):
-            result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
             start = time.perf_counter()
             team.sync(agent, lora[agent])
+            sync = time.perf_counter() - start
+            before = team.load_seconds
+            result = measure(lambda a=agent, t=team: vllm_run(t, a, rows), args.repeats)
             add(
-                f"vLLM LoRA r=16 {lora_mode} ({team.num_engines} engines, {dtypes[0]})",
+                f"vLLM LoRA r=16 {lora_mode} (one engine, {dtypes[0]})",
                 agent,
                 result,
-                engines_start_s=startup,
-                sync_s=time.perf_counter() - start,
+                engine_start_s=startup,
+                sync_s=sync,
+                load_s=team.load_seconds - before,
             )
         team.close()
 
@@ -196,11 +200,11 @@ def main() -> None:
         return statistics.mean(r["tokens_per_s"] for r in results if r["label"].startswith(prefix))
 
     hf = speed("HF generate fp32")
-    ratios = {f"vLLM full FT {dtype} / HF fp32": speed(f"vLLM full FT (2 engines, {dtype})") / hf for dtype in dtypes}
+    ratios = {f"vLLM full FT {dtype} / HF fp32": speed(f"vLLM full FT (one engine, {dtype})") / hf for dtype in dtypes}
     for lora_mode in ("adapter", "merged"):
         ratios[f"vLLM LoRA {lora_mode} {dtypes[0]} / HF fp32"] = speed(f"vLLM LoRA r=16 {lora_mode}") / hf
     if "bfloat16" in dtypes:
-        ratios["vLLM full FT bfloat16 / HF bf16 autocast"] = speed("vLLM full FT (2 engines, bfloat16)") / speed(
+        ratios["vLLM full FT bfloat16 / HF bf16 autocast"] = speed("vLLM full FT (one engine, bfloat16)") / speed(
             "HF generate bf16"
         )
     print()

@@ -377,3 +377,9 @@ def test_vllm_lora_mode_is_checked(out):
     assert config(out, vllm_lora_mode="merged").vllm_lora_mode == "merged"
     with pytest.raises(ValueError, match="vllm_lora_mode must be 'adapter' or 'merged', got 'shared'"):
         config(out, vllm_lora_mode="shared")
+
+
+def test_vllm_server_request_timeout_must_be_positive(out):
+    assert config(out).vllm_server_request_timeout == 600.0
+    with pytest.raises(ValueError, match="vllm_server_request_timeout must be > 0 seconds, got 0"):
+        config(out, vllm_server_request_timeout=0)

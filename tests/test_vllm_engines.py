@@ -29,7 +29,7 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from comlrl_trl.generation import TeamVLLM, plan_engines  # noqa: E402
+from comlrl_trl.generation import TeamVLLM, check_one_architecture, plan_weights  # noqa: E402
 from comlrl_trl.testing import build_tokenizer  # noqa: E402
 
 
@@ -41,12 +41,12 @@ PROMPTS = [[5, 6, 7, 8]] * 3 + [[9, 10]] * 3  # two prompts, K=3 rows each
 STEER_DIMS = {42: 63, 77: 62}  # token -> the unwritten hidden dimension that selects it (EOS uses 61)
 
 
-def _save_tiny(path, tied: bool, steerable: bool, kind: str = "qwen2") -> str:
+def _save_tiny(path, tied: bool, steerable: bool, kind: str = "qwen2", seed: int = 0) -> str:
     tokenizer = build_tokenizer(kind)
     ids = dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = config_class(
         hidden_size=64,
@@ -130,10 +130,10 @@ def _all(completions: list[list[int]], token: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tied_team(tied_path, tmp_path_factory):
-    """A heterogeneous pair: a tied-embedding Qwen2 and a Llama with another tokenizer (384 tokens, EOS `</s>`)."""
-    llama_path = _save_tiny(tmp_path_factory.mktemp("llama"), tied=False, steerable=False, kind="llama")
-    tokenizers = [AutoTokenizer.from_pretrained(tied_path), AutoTokenizer.from_pretrained(llama_path)]
-    models = [_load(tied_path), _load(llama_path)]
+    """Two tied-embedding Qwen2s with different random weights: one engine, each agent's weights loaded in turn."""
+    other_path = _save_tiny(tmp_path_factory.mktemp("tied-other"), tied=True, steerable=False, seed=1)
+    tokenizers = [AutoTokenizer.from_pretrained(tied_path), AutoTokenizer.from_pretrained(other_path)]
+    models = [_load(tied_path), _load(other_path)]
     team = TeamVLLM(models, tokenizers, max_completion_length=MAX_NEW, seed=0)
     yield team, models, tokenizers
     team.close()
@@ -143,7 +143,7 @@ def tied_team(tied_path, tmp_path_factory):
 def test_generate_returns_unpadded_completions_within_max_length(tied_team, agent):
     team, _, tokenizers = tied_team
     tokenizer = tokenizers[agent]
-    assert team.num_engines == 2  # two fully fine-tuned agents: one engine each
+    assert team.num_engines == 1 and team.weight_groups == [[0], [1]]  # one engine, each agent's weights in turn
     completions, logprobs = team.generate(agent, PROMPTS)
     assert len(completions) == len(logprobs) == len(PROMPTS)
     for row, lps in zip(completions, logprobs):
@@ -155,12 +155,19 @@ def test_generate_returns_unpadded_completions_within_max_length(tied_team, agen
     assert len({tuple(row) for row in completions}) > 1  # rows of one prompt are independent samples
 
 
-def test_logprobs_match_a_transformers_forward_on_the_same_tokens(tied_team):
+def test_logprobs_match_each_agents_own_model_after_every_weight_swap(tied_team):
     team, models, _ = tied_team
-    for agent in (0, 1):
+    loads = list(team.weight_loads)
+    for agent in (0, 1, 0, 1):  # the engine holds the other agent's weights before each call
         completions, logprobs = team.generate(agent, PROMPTS)
         for prompt, row, lps in zip(PROMPTS, completions, logprobs):
-            torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(models[agent], prompt, row), atol=1e-4, rtol=0)
+            own = _hf_logprobs(models[agent], prompt, row)
+            torch.testing.assert_close(torch.tensor(lps), own, atol=1e-4, rtol=0)
+            # the other agent's model gives other log-probs: a swap that did not happen would fail above
+            assert (own - _hf_logprobs(models[1 - agent], prompt, row)).abs().max() > 1e-2
+    assert team.weight_loads == [loads[0] + 2, loads[1] + 2]  # one load per call: the other agent had generated
+    team.generate(1, PROMPTS)
+    assert team.weight_loads == [loads[0] + 2, loads[1] + 2]  # agent 1's weights are still there: no load
 
 
 def test_a_seed_makes_samples_reproducible_and_leaves_the_process_state_alone(tied_path, tied_team):
@@ -205,7 +212,12 @@ def test_full_fine_tuning_sync_changes_what_the_engine_samples(steer_team):
     completions, logprobs = team.generate(0, PROMPTS)
     assert completions == [[42] * MAX_NEW] * len(PROMPTS)
     assert all(lp > -1e-3 for row in logprobs for lp in row)
-    assert not _all(team.generate(1, PROMPTS)[0], 42)  # agent 1 has its own engine, untouched
+    assert not _all(team.generate(1, PROMPTS)[0], 42)  # agent 1's own weights, swapped in
+
+    _steer_weights(models[1], STEER_DIMS[77])
+    team.sync(1, models[1])
+    for agent, token in [(1, 77), (0, 42), (1, 77)]:  # one engine: each agent's weights loaded before it generates
+        assert team.generate(agent, PROMPTS)[0] == [[token] * MAX_NEW] * len(PROMPTS)
 
     with torch.no_grad():
         _o_proj(models[0]).weight.copy_(original)
@@ -217,6 +229,22 @@ def test_full_fine_tuning_sync_changes_what_the_engine_samples(steer_team):
         _o_proj(models[0]).weight.copy_(original)
     team.sync(0, models[0])
     assert not _all(team.generate(0, PROMPTS)[0], 42)
+
+
+def test_lora_and_fully_fine_tuned_agents_share_the_engine(steer_path):
+    """A LoRA agent needs its base back in the engine after a fully fine-tuned agent generated, and its adapter."""
+    tokenizer = AutoTokenizer.from_pretrained(steer_path)
+    lora, full = _lora(steer_path), _load(steer_path)
+    _steer_adapter(lora, STEER_DIMS[42])
+    _steer_weights(full, STEER_DIMS[77])
+    team = TeamVLLM([lora, full], [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
+    try:
+        assert team.num_engines == 1 and team.weight_groups == [[0], [1]]
+        for agent, token in [(0, 42), (1, 77), (0, 42)]:
+            assert team.generate(agent, PROMPTS)[0] == [[token] * MAX_NEW] * len(PROMPTS)
+        assert team.weight_loads == [2, 1]  # the base twice, the full agent's weights once
+    finally:
+        team.close()
 
 
 def test_lora_team_shares_one_engine_and_serves_each_adapter(steer_path):
@@ -247,7 +275,7 @@ def test_lora_team_shares_one_engine_and_serves_each_adapter(steer_path):
         for prompt, row, lps in zip(PROMPTS, completions, logprobs):
             torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(models[1], prompt, row), atol=1e-4, rtol=0)
         # Every sync loads the adapter under a new id and drops the old one: one adapter per agent stays loaded.
-        assert len(team._engines[0].llm_engine.list_loras()) == 2
+        assert len(team._llm.llm_engine.list_loras()) == 2
 
         with pytest.raises(ValueError, match="must be a LoRA adapter"):
             team.sync(0, _load(steer_path))
@@ -255,23 +283,26 @@ def test_lora_team_shares_one_engine_and_serves_each_adapter(steer_path):
         team.close()
 
 
-def test_merged_lora_mode_gives_each_lora_agent_an_engine_with_its_merged_weights(steer_path):
+def test_merged_lora_mode_loads_each_lora_agents_merged_weights_into_the_engine(steer_path):
     tokenizer = AutoTokenizer.from_pretrained(steer_path)
     models = [_lora(steer_path), _lora(steer_path)]
     team = TeamVLLM(models, [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0, lora_mode="merged")
     try:
-        assert team.num_engines == 2
+        assert team.num_engines == 1 and team.weight_groups == [[0], [1]]
         _steer_adapter(models[0], STEER_DIMS[42])
+        _steer_adapter(models[1], STEER_DIMS[77])
         base = _o_proj(models[0]).base_layer.weight.detach().clone()
         team.sync(0, models[0])
-        torch.testing.assert_close(_o_proj(models[0]).base_layer.weight, base)  # merged for the sync, then unmerged
+        team.sync(1, models[1])
         assert team.generate(0, PROMPTS)[0] == [[42] * MAX_NEW] * len(PROMPTS)
-        assert not _all(team.generate(1, PROMPTS)[0], 42)
+        torch.testing.assert_close(_o_proj(models[0]).base_layer.weight, base)  # merged for the load, then unmerged
+        assert team.generate(1, PROMPTS)[0] == [[77] * MAX_NEW] * len(PROMPTS)
+        assert team.generate(0, PROMPTS)[0] == [[42] * MAX_NEW] * len(PROMPTS)
     finally:
         team.close()
 
 
-def test_a_peft_model_vllm_cannot_serve_as_lora_gets_its_own_engine_and_merged_weights(tied_path):
+def test_a_peft_model_vllm_cannot_serve_as_lora_generates_with_its_merged_weights(tied_path):
     tokenizer = AutoTokenizer.from_pretrained(tied_path)
     model = _lora(tied_path, use_dora=True)  # vLLM serves no DoRA adapters
     with torch.no_grad():
@@ -279,31 +310,34 @@ def test_a_peft_model_vllm_cannot_serve_as_lora_gets_its_own_engine_and_merged_w
             if "lora_B" in name:
                 param.copy_(torch.randn_like(param) * 0.3)
     reference = _hf_logprobs(model, PROMPTS[0], [11, 12, 13])
-    team = TeamVLLM([model, _lora(tied_path)], [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
+    models = [model, _lora(tied_path)]
+    team = TeamVLLM(models, [tokenizer, tokenizer], max_completion_length=MAX_NEW, seed=0)
     try:
-        assert team.num_engines == 2
-        completions, logprobs = team.generate(0, PROMPTS)
-        for prompt, row, lps in zip(PROMPTS, completions, logprobs):
-            torch.testing.assert_close(torch.tensor(lps), _hf_logprobs(model, prompt, row), atol=1e-4, rtol=0)
+        assert team.weight_groups == [[0], [1]]
+        for agent in (0, 1, 0):  # the DoRA agent's merged weights, the LoRA agent's base, the merged weights again
+            completions, logprobs = team.generate(agent, PROMPTS)
+            for prompt, row, lps in zip(PROMPTS, completions, logprobs):
+                expected = _hf_logprobs(models[agent], prompt, row)
+                torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
         torch.testing.assert_close(_hf_logprobs(model, PROMPTS[0], [11, 12, 13]), reference)  # unmerged again
     finally:
         team.close()
 
 
-def test_plan_engines_shares_an_engine_only_between_lora_adapters_on_the_same_base(steer_path, tied_path):
+def test_plan_weights_shares_weights_only_between_lora_adapters_on_the_same_base(steer_path, tied_path):
     lora_a, lora_b, full = _lora(steer_path), _lora(steer_path), _load(steer_path)
-    assert plan_engines([lora_a, full, lora_b]) == [[0, 2], [1]]
-    assert plan_engines([full, _load(steer_path)]) == [[0], [1]]  # fully fine-tuned agents diverge
-    assert plan_engines([lora_a, _lora(tied_path)]) == [[0], [1]]  # other base checkpoint
+    assert plan_weights([lora_a, full, lora_b]) == [[0, 2], [1]]
+    assert plan_weights([full, _load(steer_path)]) == [[0], [1]]  # fully fine-tuned agents diverge
+    assert plan_weights([lora_a, _lora(tied_path)]) == [[0], [1]]  # other base checkpoint
     changed = _lora(steer_path)
     with torch.no_grad():
         changed.get_base_model().model.norm.weight.add_(1.0)
-    assert plan_engines([lora_a, changed]) == [[0], [1]]  # same name, other frozen weights
-    assert plan_engines([lora_a, _lora(steer_path, use_dora=True)]) == [[0], [1]]  # DoRA: merged, own engine
-    assert plan_engines([lora_a, lora_b], lora_mode="merged") == [[0], [1]]
+    assert plan_weights([lora_a, changed]) == [[0], [1]]  # same name, other frozen weights
+    assert plan_weights([lora_a, _lora(steer_path, use_dora=True)]) == [[0], [1]]  # DoRA: merged weights
+    assert plan_weights([lora_a, lora_b], lora_mode="merged") == [[0], [1]]
 
 
-def test_invalid_arguments_name_the_argument(tied_path, tied_team):
+def test_invalid_arguments_name_the_argument(tied_path, tied_team, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tied_path)
     with pytest.raises(ValueError, match="`tokenizers` has 1 entries for 2 models"):
         TeamVLLM([_load(tied_path), _load(tied_path)], [tokenizer])
@@ -316,3 +350,20 @@ def test_invalid_arguments_name_the_argument(tied_path, tied_team):
         team.generate(0, [[]])
     with pytest.raises(ValueError, match="`lora_mode` must be 'adapter' or 'merged', got 'shared'"):
         TeamVLLM([_load(tied_path)], [tokenizer], lora_mode="shared")
+    # One engine per process holds every agent's weights in turn: one architecture only, refused before vLLM starts.
+    llama_path = _save_tiny(tmp_path / "llama", tied=False, steerable=False, kind="llama")
+    llama_tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    with pytest.raises(ValueError, match=r"same architecture; agent 1 differs from agent 0 \(model class"):
+        TeamVLLM([_load(tied_path), _load(llama_path)], [tokenizer, llama_tokenizer])
+    # Names, token ids, dtype and a missing `architectures` (a model built in memory) are not architecture.
+    renamed = _load(tied_path).to(torch.bfloat16)
+    renamed.config._name_or_path, renamed.config.architectures, renamed.config.pad_token_id = "other", None, 3
+    check_one_architecture([_load(tied_path), renamed])
+    with pytest.raises(ValueError, match="agent 1 differs from agent 0 \\(tie_word_embeddings: True vs False\\)"):
+        TeamVLLM(
+            [_load(tied_path), _load(_save_tiny(tmp_path / "untied", tied=False, steerable=False))], [tokenizer] * 2
+        )
+    with pytest.raises(ValueError, match="several \\(bfloat16, float32\\): pass `dtype`"):
+        TeamVLLM([_load(tied_path), _load(tied_path).to(torch.bfloat16)], [tokenizer] * 2)
+    with pytest.raises(ValueError, match="`sleep_mode`=True, but vLLM's cpu platform has no sleep mode"):
+        TeamVLLM([_load(tied_path)], [tokenizer], sleep_mode=True)

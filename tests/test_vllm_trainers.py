@@ -1,9 +1,10 @@
 """`use_vllm=True` in every team trainer: generation goes through the team's vLLM engines (`make test-vllm`).
 
 Each test builds a trainer on a tiny random Qwen2 saved to disk (vLLM's CPU attention needs a head size of at least
-32), trains one or two steps and checks what went through the engines: which agents generated, how many engines
-there are, that every agent's new weights were pushed after its optimiser step, and that TRL applied its
-importance-sampling correction with the engines' log-probabilities.
+32), trains one or two steps and checks what went through the team's one engine: which agents generated, that every
+agent's new weights were pushed after its optimiser step and loaded before its generation, that the engine is put to
+sleep between generation and training, and that TRL applied its importance-sampling correction with the engine's
+log-probabilities.
 """
 
 import os
@@ -64,20 +65,27 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Every engine generation and weight sync, as (agent index, rows) and (agent index, the agent's global step)."""
-    record = {"generate": [], "sync": []}
-    generate, sync = TeamVLLM.generate, TeamVLLM.sync
+    """Every engine generation, weight sync and sleep: (agent index, rows), agent indices, and every call in order."""
+    record = {"generate": [], "sync": [], "order": []}
+    generate, sync, sleep = TeamVLLM.generate, TeamVLLM.sync, TeamVLLM.sleep
 
     def recording_generate(self, agent_index, prompt_ids):
         record["generate"].append((agent_index, len(prompt_ids)))
+        record["order"].append(f"generate {agent_index}")
         return generate(self, agent_index, prompt_ids)
 
     def recording_sync(self, agent_index, model):
         record["sync"].append(agent_index)
+        record["order"].append(f"sync {agent_index}")
         return sync(self, agent_index, model)
+
+    def recording_sleep(self):
+        record["order"].append("sleep")
+        return sleep(self)
 
     monkeypatch.setattr(TeamVLLM, "generate", recording_generate)
     monkeypatch.setattr(TeamVLLM, "sync", recording_sync)
+    monkeypatch.setattr(TeamVLLM, "sleep", recording_sleep)
     return record
 
 
@@ -115,23 +123,27 @@ def _vllm_config(make_config, config_cls=None, **overrides):
     return make_config(**settings) if config_cls is None else make_config(config_cls, **settings)
 
 
-def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_step(
+def test_two_fully_fine_tuned_agents_train_through_one_engine_and_sync_every_step(
     model_path, make_config, calls, scored
 ):
     trainer = MAGRPOTrainer(
         agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=_vllm_config(make_config)
     )
-    assert trainer.generation_engines.num_engines == 2
+    engine = trainer.generation_engines
+    assert engine.num_engines == 1 and engine.weight_groups == [[0], [1]]
     assert trainer.args.use_vllm and all(agent.use_vllm for agent in trainer.agent_trainers)
     before = _weights(trainer)
     calls["generate"].clear()
     calls["sync"].clear()
+    calls["order"].clear()
     trainer.train()
     assert _changed(before, trainer) == [True, True]
-    # one generation per agent per step (2 rows: one item, K=2), in agent order
-    assert calls["generate"] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    # before each generation the agent whose step changed is synced: steps 0 and 1 for both agents
-    assert calls["sync"] == [0, 1, 0, 1]
+    # one generation per agent per step (2 rows: one item, K=2), in agent order; before each, the agent whose step
+    # changed is synced (steps 0 and 1 for both agents); after both, the engine sleeps while the agents train
+    step = ["sync 0", "generate 0", "sync 1", "generate 1", "sleep"]
+    assert calls["order"] == step + step
+    # one engine: each generation first loaded its agent's weights (the other agent's were in it)
+    assert engine.weight_loads == [2, 2] and engine.load_seconds > 0
     for _, batch in scored:
         assert batch["sampling_per_token_logps"].shape == batch["completion_ids"].shape
         # On-policy, TRL's ratio is computed from the loss's own forward, not from a second scoring forward.
@@ -142,8 +154,8 @@ def test_full_fine_tuning_generates_with_one_engine_per_agent_and_syncs_every_st
     assert len(ratios) == 4 and all(0.9 < ratio < 1.1 for ratio in ratios), ratios
 
 
-@pytest.mark.parametrize(("lora_mode", "engines"), [("adapter", 1), ("merged", 2)])
-def test_a_lora_team_shares_one_engine_and_every_adapter_trains(lora_mode, engines, model_path, make_config, calls):
+@pytest.mark.parametrize(("lora_mode", "groups"), [("adapter", [[0, 1]]), ("merged", [[0], [1]])])
+def test_a_lora_team_shares_one_engine_and_every_adapter_trains(lora_mode, groups, model_path, make_config, calls):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = MAGRPOTrainer(
         agent_model=model_path,
@@ -152,7 +164,7 @@ def test_a_lora_team_shares_one_engine_and_every_adapter_trains(lora_mode, engin
         args=_vllm_config(make_config, max_steps=1, vllm_lora_mode=lora_mode),
         peft_config=lora,
     )
-    assert trainer.generation_engines.num_engines == engines
+    assert trainer.generation_engines.num_engines == 1 and trainer.generation_engines.weight_groups == groups
     before = _weights(trainer)
     trainer.train()
     assert _changed(before, trainer) == [True, True]
@@ -232,3 +244,21 @@ def test_the_default_config_builds_on_the_transformers_that_vllm_needs(tmp_path)
 
     config = MAGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     assert config.gradient_checkpointing is False
+
+
+def test_two_processes_each_generate_their_own_rows_with_an_engine_of_their_own(model_path, tmp_path, monkeypatch):
+    """Colocate mode on two processes (torchrun, gloo): one engine per process (vLLM's `external_launcher`), as TRL."""
+    from test_distributed import run_torchrun
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    report = run_torchrun("vllm_colocate_ddp.py", tmp_path, 2, model_path)
+    rank0, rank1 = report["ranks"]
+    for rank in (rank0, rank1):
+        # 1 item x K=2 rows per agent and step on each process, each agent's weights loaded before it generates
+        assert [(agent, len(rows)) for agent, rows in rank["generated"]] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+        assert rank["weight_groups"] == [[0], [1]] and rank["weight_loads"] == [2, 2]
+        assert all(after != before for after, before in zip(rank["after"], rank["before"]))  # both agents trained
+        # every process's engine samples from the weights being trained: TRL's ratios near 1 at both steps
+        assert len(rank["ratios"]) == 4 and all(0.9 < ratio < 1.1 for ratio in rank["ratios"]), rank["ratios"]
+    assert rank0["after"] == rank1["after"]  # DDP keeps the agents equal on both processes
+    assert rank0["generated"] != rank1["generated"]  # other rows and seeds per process

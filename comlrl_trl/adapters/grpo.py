@@ -435,6 +435,8 @@ class TeamGRPOTrainer(AgentGRPOTrainer):
             return super()._prepare_inputs(generation_batch)
         if self.needs_generation:
             self.generation_step(generation_batch)
+            if isinstance(getattr(self, "vllm_generation", None), _TeamEngineSync):
+                self.vllm_generation.engines.sleep()  # frees the engine's GPU memory for training (sleep mode)
         return self.micro_batch(self.slot)
 
     def _generate_and_score_completions(self, inputs):

@@ -1,7 +1,7 @@
 """Generation backends for the agents of a team.
 
-`TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with vLLM and pushes each agent's trained
-weights back into its engine after an optimiser step. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
+`TeamVLLM` (in `comlrl_trl.generation.vllm_engines`) samples completions with one vLLM engine per process and loads
+each agent's trained weights (or adapter) into it before the agent generates. `TeamVLLMServer` (`comlrl_trl.generation.vllm_server`) does the
 same for LoRA agents through a running vLLM server. `TeamVLLM` needs the `vllm` extra (`make install-vllm`);
 `TeamVLLMServer` only talks HTTP to the server. Importing this package does not import vLLM.
 """
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 
 if TYPE_CHECKING:
-    from .vllm_engines import TeamVLLM, plan_engines
+    from .vllm_engines import TeamVLLM, check_one_architecture, plan_weights
     from .vllm_server import TeamVLLMServer
 
-__all__ = ["TeamVLLM", "TeamVLLMServer", "plan_engines"]
+__all__ = ["TeamVLLM", "TeamVLLMServer", "check_one_architecture", "plan_weights"]
 
 
 def __getattr__(name: str) -> Any:

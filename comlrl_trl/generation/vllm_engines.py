@@ -1,17 +1,21 @@
-"""vLLM engines for a team of agents: sampling with token log-probs, and weight sync after each optimiser step.
+"""The vLLM engine of a team of agents: sampling with token log-probs, each agent's weights loaded in turn.
 
-Engine layout (`plan_engines`):
+Layout: ONE engine per process, what vLLM supports on GPUs (an engine profiles the free GPU memory and sets up
+process-wide parallel groups). Agents are grouped by the weights the engine must hold for them (`plan_weights`):
 
 - LoRA agents (peft `PeftModel` with a plain LoRA adapter) whose base models have the same `name_or_path` and equal
-  frozen weights share ONE engine built with `enable_lora=True`; each agent is served by its own `LoRARequest`.
+  frozen weights form one group: the engine (built with `enable_lora=True`) holds their base, and each agent is
+  served by its own `LoRARequest`.
 - Every other agent (full fine-tuning, or a peft model that cannot be served as a LoRA adapter: DoRA,
-  `modules_to_save`, non-LoRA peft types) gets its own engine, and its weights are pushed merged.
+  `modules_to_save`, non-LoRA peft types) is a group of its own, whose merged weights are loaded into the engine
+  before the agent generates, when another group's weights are in it or the agent stepped since.
 
-Engines are built from the model's config only (`load_format="dummy"`) and then receive the in-memory weights through
-the same path as a later `sync`, so an engine always matches the model it was given, whatever checkpoint (or none) it
-came from.
+All agents must have the same architecture (`check_one_architecture`). With several processes every process builds
+its own engine (vLLM's `external_launcher` backend) and generates its own rows. The engine is built from the model's
+config only (`load_format="dummy"`) and receives the in-memory weights through the same path as every later load, so
+it always matches the models it was given, whatever checkpoint (or none) they came from.
 
-Weight sync goes through the worker's `reload_weights(weights_iterator=...)` (vLLM's layerwise reload). Calling the
+Weight loads go through the worker's `reload_weights(weights_iterator=...)` (vLLM's layerwise reload). Calling the
 vLLM model's `load_weights` directly, as TRL's colocate sync does, fails on the CPU backend with `'Parameter' object
 has no attribute 'weight_loader'`: after loading, the CPU backend replaces the layers' parameters by plain tensors
 without their loaders, and only the reload path restores them before loading and re-processes the weights after.
@@ -26,6 +30,7 @@ import contextlib
 import gc
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -36,7 +41,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 
-__all__ = ["TeamVLLM", "plan_engines"]
+__all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
 
 # The ranks a vLLM LoRA engine accepts (vllm.config.lora.MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -79,16 +84,18 @@ def _same_base(a: nn.Module, b: nn.Module) -> bool:
     )
 
 
-def plan_engines(models: Sequence[nn.Module], lora_mode: Literal["adapter", "merged"] = "adapter") -> list[list[int]]:
-    """Group agents into vLLM engines: agent indices per engine, in order of each engine's first agent.
+def plan_weights(models: Sequence[nn.Module], lora_mode: Literal["adapter", "merged"] = "adapter") -> list[list[int]]:
+    """Group agents by the weights the team's one engine must hold to generate for them, in order of first agent.
 
-    With `lora_mode="adapter"`, LoRA agents share an engine when their bases have the same `name_or_path` and equal
-    frozen weights; every other agent gets its own engine. With `lora_mode="merged"`, every agent gets its own.
+    With `lora_mode="adapter"`, LoRA agents whose bases have the same `name_or_path` and equal frozen weights form one
+    group: the engine holds their base once and serves each agent with its adapter. Every other agent (full
+    fine-tuning, or a peft model vLLM cannot serve as LoRA) is a group of its own: its (merged) weights are loaded
+    into the engine before it generates. With `lora_mode="merged"`, every agent is a group of its own.
 
     Example:
 
     ```python
-    >>> plan_engines([lora_agent_0, lora_agent_1, full_agent])  # LoRA adapters on the same base
+    >>> plan_weights([lora_agent_0, lora_agent_1, full_agent])  # LoRA adapters on the same base
     [[0, 1], [2]]
     ```
     """
@@ -104,6 +111,45 @@ def plan_engines(models: Sequence[nn.Module], lora_mode: Literal["adapter", "mer
         else:
             groups.append([i])
     return groups
+
+
+# Config entries that do not change a model's parameters or forward pass in vLLM (`architectures` is replaced by the
+# model's class: a model built in memory has none until it is saved).
+_NOT_ARCHITECTURE = frozenset(
+    {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache", "architectures"}
+    | {"bos_token_id", "eos_token_id", "pad_token_id", "_attn_implementation_autoset", "_attn_implementation"}
+)
+
+
+def _architecture(model: nn.Module) -> dict[str, Any]:
+    """What must be equal for two models to run in one vLLM engine: the base model's class and its config without
+    names, token ids and dtype."""
+    base = model.get_base_model() if _is_peft(model) else model
+    config = {key: value for key, value in base.config.to_dict().items() if key not in _NOT_ARCHITECTURE}
+    return {"model class": type(base).__name__, **config}
+
+
+def check_one_architecture(models: Sequence[nn.Module]) -> None:
+    """Raise a ValueError naming the first agent whose architecture differs from agent 0's.
+
+    vLLM runs one engine per process on GPUs, and the team's engine takes each agent's weights in turn, so every agent
+    must have the same architecture (model class and every shape-defining config entry)."""
+    first = _architecture(models[0])
+    for index, model in enumerate(models[1:], start=1):
+        other = _architecture(model)
+        differing = sorted(
+            (key for key in first.keys() | other.keys() if first.get(key) != other.get(key)),
+            key=lambda key: (key != "model class", key),  # the class first, then the config entries
+        )
+        if differing:
+            shown = ", ".join(f"{key}: {first.get(key)!r} vs {other.get(key)!r}" for key in differing[:4])
+            raise ValueError(
+                f"use_vllm=True with vllm_mode='colocate' runs one vLLM engine per process (what vLLM supports on "
+                f"GPUs) and loads each agent's weights into it before the agent generates, so every agent needs the "
+                f"same architecture; agent {index} differs from agent 0 ({shown}"
+                f"{', ...' if len(differing) > 4 else ''}). Give every agent the same architecture, or generate "
+                "with HF generate (use_vllm=False)."
+            )
 
 
 def _write_adapter(model: nn.Module, path: str) -> None:
@@ -217,14 +263,22 @@ class _TeamSampling:
 
 class TeamVLLM(_TeamSampling):
     r"""
-    vLLM engines that generate for every agent of a team and take each agent's new weights after an optimiser step.
+    One vLLM engine per process that generates for every agent of a team, with each agent's current weights.
 
-    The caller repeats each prompt K times (one row per sample), as the trainers do for HF `generate`.
+    vLLM supports one engine per process on GPUs (an engine profiles the free GPU memory and sets up process-wide
+    parallel groups), so the team shares one. LoRA agents on one base are adapters on it (the base is held once);
+    every other agent's weights (merged, for a peft model vLLM cannot serve as LoRA) are loaded into the engine before
+    the agent generates, whenever the engine holds another agent's weights or the agent's own changed since (`sync`):
+    an in-place copy of the model's tensors into the engine's (`plan_weights` shows the grouping). Every agent must
+    therefore have the same architecture (`check_one_architecture`).
+
+    With several processes (torchrun, `accelerate launch`), every process builds its own engine (vLLM's
+    `external_launcher` backend, as TRL's colocate mode) and generates its own rows. The caller repeats each prompt K
+    times (one row per sample), as the trainers do for HF `generate`.
 
     Args:
         models (`Sequence[nn.Module]`):
-            The agents' models, one per agent: transformers causal LMs, or peft `PeftModel`s. LoRA agents on the same
-            base share one engine (see `plan_engines`).
+            The agents' models, one per agent: transformers causal LMs, or peft `PeftModel`s, all of one architecture.
         tokenizers (`Sequence[PreTrainedTokenizerBase]`):
             One tokenizer per agent; its `eos_token_id` (and the model's `generation_config.eos_token_id`) end a
             completion.
@@ -241,32 +295,37 @@ class TeamVLLM(_TeamSampling):
         max_completion_length (`int`, *optional*, defaults to `256`):
             Maximum number of generated tokens per completion.
         gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
-            Fraction of GPU memory that EACH engine takes (weights and KV cache), so the sum over engines must stay
-            below 1. On CPU, vLLM only checks that this fraction of the RAM is free when an engine starts; the KV
-            cache takes `VLLM_CPU_KVCACHE_SPACE` GiB per engine (set to 2 here unless already set).
+            Fraction of the GPU memory that the engine takes (weights and KV cache); the training models, gradients
+            and optimiser states need the rest. On CPU, vLLM only checks that this fraction of the RAM is free when
+            the engine starts; the KV cache takes `VLLM_CPU_KVCACHE_SPACE` GiB (set to 2 here unless already set).
         max_model_length (`int`, *optional*):
             Longest prompt plus completion, in tokens. Defaults to the model's `max_position_embeddings`.
         seed (`int`, *optional*):
-            With a seed, every sample gets its own seed derived from `(seed, agent_index, call number, row)`, so the
-            same calls give the same completions. Without one, sampling is not reproducible.
+            With a seed, every sample gets its own seed derived from `(seed, [process,] agent_index, call number,
+            row)`, so the same calls give the same completions. Without one, sampling is not reproducible.
         dtype (`str`, *optional*, defaults to `"auto"`):
-            Engine dtype (`"float32"`, `"bfloat16"`, `"float16"`); `"auto"` uses the dtype of each model's weights.
-            Weights are cast to it at every sync.
-        enforce_eager (`bool`, *optional*, defaults to `True`):
-            Skip vLLM's graph compilation, which costs start-up time (minutes on CPU) and brought no speed on CPU.
+            Engine dtype (`"float32"`, `"bfloat16"`, `"float16"`); `"auto"` uses the dtype of the models' weights
+            (which must then be the same for every agent). Weights are cast to it when they are loaded.
+        enforce_eager (`bool`, *optional*):
+            Skip vLLM's graph compilation and CUDA graphs. Defaults to `False` on CUDA (CUDA graphs make decoding
+            faster) and `True` elsewhere (on CPU compilation took minutes and brought no speed).
+        sleep_mode (`bool`, *optional*):
+            Free the engine's GPU memory while the agents train (`sleep()`; the next `generate` wakes it). Defaults to
+            on where vLLM's platform offers sleep mode (CUDA) and off elsewhere; `True` where it is not offered (the
+            CPU build) is an error.
         lora_mode (`str`, *optional*, defaults to `"adapter"`):
-            `"adapter"`: LoRA agents on the same base share one engine, each served by its adapter (one copy of the
-            base; syncs move only the adapter). `"merged"`: every LoRA agent gets its own engine holding its merged
-            weights (one copy of the weights per agent, full syncs), which generates as fast as a plain model: on
-            CPU, vLLM's LoRA kernels make `"adapter"` generation several times slower.
+            `"adapter"`: LoRA agents on the same base are served by their adapters (syncs move only the adapter).
+            `"merged"`: every LoRA agent's merged weights are loaded into the engine before it generates, like a fully
+            fine-tuned agent's; it then generates as fast as a plain model: on CPU, vLLM's LoRA kernels make
+            `"adapter"` generation several times slower.
 
     Example:
 
     ```python
-    >>> engines = TeamVLLM([agent_0, agent_1], [tokenizer, tokenizer], max_completion_length=64, seed=0)
-    >>> completion_ids, logprobs = engines.generate(0, [prompt_ids] * 4)  # 4 samples of one prompt for agent 0
+    >>> engine = TeamVLLM([agent_0, agent_1], [tokenizer, tokenizer], max_completion_length=64, seed=0)
+    >>> completion_ids, logprobs = engine.generate(0, [prompt_ids] * 4)  # 4 samples of one prompt for agent 0
     >>> optimizer.step()
-    >>> engines.sync(0, agent_0)  # agent 0's next samples come from its new weights
+    >>> engine.sync(0, agent_0)  # agent 0's next samples come from its new weights
     ```
     """
 
@@ -285,7 +344,8 @@ class TeamVLLM(_TeamSampling):
         max_model_length: int | None = None,
         seed: int | None = None,
         dtype: str = "auto",
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
+        sleep_mode: bool | None = None,
         lora_mode: Literal["adapter", "merged"] = "adapter",
     ):
         self._init_sampling(
@@ -305,134 +365,184 @@ class TeamVLLM(_TeamSampling):
             raise ValueError(f"`lora_mode` must be 'adapter' or 'merged', got {lora_mode!r}.")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"`dtype` must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}.")
+        check_one_architecture(models)
+        dtypes = sorted({str(_weights_dtype(model)).removeprefix("torch.") for model in models})
+        if dtype == "auto" and len(dtypes) > 1:
+            raise ValueError(
+                f"`dtype`='auto' takes the weights' dtype, and the agents' weights have several ({', '.join(dtypes)}): "
+                "pass `dtype` (the one engine's dtype; weights are cast to it when loaded)."
+            )
+        self._sleep_mode = _sleep_mode_setting(sleep_mode)
         if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine; vLLM's CPU default is far larger
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is far larger
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError(
                 "VLLM_ENABLE_V1_MULTIPROCESSING is set to "
-                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: TeamVLLM.sync hands tensors to the engine in "
-                "this process. Unset it or set it to 0."
+                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: TeamVLLM hands the weights to the engine as "
+                "tensors in this process. Unset it or set it to 0."
             )
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise ValueError(
-                "torch.distributed runs with world size "
-                f"{torch.distributed.get_world_size()}: TeamVLLM starts its engines inside one process and does not "
-                "support multi-process training yet. Train in one process, or generate with HF generate."
-            )
+        self._rank, self._world_size = _distributed()
         from vllm import SamplingParams
 
         self._sampling_params = SamplingParams
         self._tmp = tempfile.TemporaryDirectory(prefix="comlrl-vllm-")
         self._lora_ids: dict[int, int] = {}
         self._next_lora_id = 1
-        self._groups = plan_engines(models, lora_mode)
-        self._engine_of = {agent: e for e, group in enumerate(self._groups) for agent in group}
-        self._engines: list[Any] = []
-        self._releases: list[weakref.finalize] = []
-        self._lora_engine: list[bool] = []
-        for e, group in enumerate(self._groups):
-            lora = lora_mode == "adapter" and _is_lora_adapter(models[group[0]])
-            self._engines.append(
-                self._build_engine(
-                    e, [models[a] for a in group], lora, dtype, max_model_length, gpu_memory_utilization, enforce_eager
-                )
-            )
-            self._lora_engine.append(lora)
-        self._max_model_length = [llm.llm_engine.model_config.max_model_len for llm in self._engines]
+        self._groups = plan_weights(models, lora_mode)
+        self._group_of = {agent: g for g, group in enumerate(self._groups) for agent in group}
+        self._lora_group = [lora_mode == "adapter" and _is_lora_adapter(models[group[0]]) for group in self._groups]
+        self._models = list(models)
+        self._resident: int | None = None  # the group whose weights the engine holds (None: random or dropped)
+        self._stale: set[int] = set()  # groups whose weights changed since they were loaded
+        self._asleep: int | None = None  # the sleep level the engine is in
+        self.weight_loads = [0] * len(self._groups)
+        """How often each group's weights (`weight_groups`) were loaded into the engine."""
+        self.load_seconds = 0.0
+        """Time spent loading weights into the engine, in seconds."""
+        self._llm = self._build_engine(models, dtype, max_model_length, gpu_memory_utilization, enforce_eager)
+        self._release = _engine_release(self._llm)
+        self._max_model_length = self._llm.llm_engine.model_config.max_model_len
         for agent, model in enumerate(models):
-            self.sync(agent, model)
+            if self._lora_group[self._group_of[agent]]:
+                self.sync(agent, model)
 
     @property
     def num_engines(self) -> int:
-        """Number of vLLM engines (one per LoRA base shared by its adapters, one per other agent)."""
-        return len(self._engines)
+        """One: the team's engine in this process."""
+        return 1
 
     def engine_index(self, agent_index: int) -> int:
-        """Index of the engine that serves agent `agent_index`."""
+        """Index of the engine that serves agent `agent_index`: always 0."""
         self._check_agent(agent_index)
-        return self._engine_of[agent_index]
+        return 0
+
+    @property
+    def weight_groups(self) -> list[list[int]]:
+        """Agents grouped by the weights the engine holds for them (see `plan_weights`)."""
+        return [list(group) for group in self._groups]
 
     def _build_engine(
         self,
-        index: int,
-        models: list[nn.Module],
-        lora: bool,
+        models: Sequence[nn.Module],
         dtype: str,
         max_model_length: int | None,
         gpu_memory_utilization: float,
-        enforce_eager: bool,
+        enforce_eager: bool | None,
     ) -> Any:
-        """An engine with random weights built from the config alone: the first `sync` brings the real weights."""
+        """The engine, with random weights built from the config alone: each group's weights come before it generates."""
         from vllm import LLM
 
-        base = models[0].get_base_model() if _is_peft(models[0]) else models[0]
-        config_dir = os.path.join(self._tmp.name, f"engine-{index}")
-        base.config.save_pretrained(config_dir)
+        first = models[0].get_base_model() if _is_peft(models[0]) else models[0]
+        config_dir = os.path.join(self._tmp.name, "engine")
+        first.config.save_pretrained(config_dir)
         if dtype == "auto":
-            dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
-        lora_args: dict[str, Any] = {}
-        if lora:
-            rank = max(model.peft_config[model.active_adapter].r for model in models)
-            lora_args = dict(
+            dtype = str(_weights_dtype(models[0])).removeprefix("torch.")
+        lora_agents = [models[a] for g, group in enumerate(self._groups) if self._lora_group[g] for a in group]
+        extra: dict[str, Any] = {}
+        if lora_agents:
+            rank = max(model.peft_config[model.active_adapter].r for model in lora_agents)
+            extra.update(
                 enable_lora=True,
-                max_loras=len(models),
-                max_cpu_loras=len(models),
+                max_loras=len(lora_agents),
+                max_cpu_loras=len(lora_agents),
                 max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= rank),
             )
+        if self._sleep_mode:
+            extra["enable_sleep_mode"] = True
+        if self._world_size > 1:
+            extra["distributed_executor_backend"] = "external_launcher"  # one engine per process, vLLM's TP size 1
+            _check_launcher_environment(self._rank, self._world_size)
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
         with _process_state_kept():
-            llm = LLM(
+            return LLM(
                 model=config_dir,
                 load_format="dummy",
                 skip_tokenizer_init=True,
                 generation_config="vllm",
                 dtype=dtype,
-                seed=0 if self.seed is None else self.seed,
+                seed=(0 if self.seed is None else self.seed) + self._rank,
                 max_model_len=max_model_length,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
                 logprobs_mode="processed_logprobs",
-                **lora_args,
+                **extra,
             )
-        self._releases.append(_engine_release(llm))
-        if lora:  # the adapters' shared frozen base, once
-            self._reload(llm, _base_weights(models[0]))
-        return llm
 
-    @staticmethod
-    def _reload(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        llm.collective_rpc(_reload_in_worker, args=(weights,))
-        llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    def _load(self, group: int) -> None:
+        """Make the engine hold `group`'s current weights (a LoRA group's frozen base, or an agent's merged weights),
+        unless it already does."""
+        self._wake()
+        if self._resident == group and group not in self._stale:
+            return
+        start = time.perf_counter()
+        model = self._models[self._groups[group][0]]
+        with torch.no_grad():
+            if self._lora_group[group]:
+                self._reload(_base_weights(model))
+            else:
+                with _merged_weights(model) as weights:
+                    self._reload(weights)
+        self.load_seconds += time.perf_counter() - start
+        self.weight_loads[group] += 1
+        self._resident = group
+        self._stale.discard(group)
+
+    def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._llm.collective_rpc(_reload_in_worker, args=(weights,))
+        self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def sync(self, agent_index: int, model: nn.Module) -> None:
-        """Push `model`'s current weights into agent `agent_index`'s engine; call it after each optimiser step.
+        """Take `model` as agent `agent_index`'s current weights; call it after each optimiser step.
 
-        A LoRA agent pushes only its adapter (written to a temporary directory and loaded under a new LoRA id);
-        any other agent pushes all its weights (a peft adapter merged into them), cast to the engine's dtype.
+        A LoRA agent's adapter is loaded now (written to a temporary directory and loaded under a new LoRA id). Any
+        other agent's weights (a peft adapter merged into them) are loaded, cast to the engine's dtype, before its
+        next generation.
         """
         self._check_agent(agent_index)
-        engine = self._engine_of[agent_index]
-        if self._lora_engine[engine] and not _is_lora_adapter(model):
+        group = self._group_of[agent_index]
+        if self._lora_group[group] and not _is_lora_adapter(model):
             raise ValueError(
-                f"`model` for agent {agent_index} must be a LoRA adapter, like the model its engine was "
-                "built from: pass the same agent model to sync."
+                f"`model` for agent {agent_index} must be a LoRA adapter, like the model the engine was built "
+                "from: pass the same agent model to sync."
             )
-        llm = self._engines[engine]
-        if not self._lora_engine[engine]:
-            with torch.no_grad(), _merged_weights(model) as weights:
-                self._reload(llm, weights)
+        self._models[agent_index] = model
+        if not self._lora_group[group]:
+            self._stale.add(group)
             return
         from vllm.lora.request import LoRARequest
 
+        self._wake()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         path = os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}")
         _write_adapter(model, path)
         old = self._lora_ids.get(agent_index)
-        if old is not None:  # free the slot first: max_loras is the number of agents on this engine
-            llm.llm_engine.remove_lora(old)
+        if old is not None:  # free the slot first: max_loras is the number of LoRA agents
+            self._llm.llm_engine.remove_lora(old)
             _rmtree(os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{old}"))
-        llm.llm_engine.add_lora(LoRARequest(f"agent-{agent_index}-v{lora_id}", lora_id, path))
+        self._llm.llm_engine.add_lora(LoRARequest(f"agent-{agent_index}-v{lora_id}", lora_id, path))
         self._lora_ids[agent_index] = lora_id
-        llm.reset_prefix_cache()
+        self._llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next `generate` (vLLM's sleep mode); a no-op without sleep mode.
+
+        Level 2 (weights and KV cache dropped) when no agent is a LoRA adapter: the next generation loads its agent's
+        weights from the model anyway. Level 1 (weights moved to CPU memory, KV cache dropped) otherwise, so the base
+        and the loaded adapters come back as they were.
+        """
+        if not self._sleep_mode or self._asleep is not None:
+            return
+        level = 1 if any(self._lora_group) else 2
+        self._llm.sleep(level=level)
+        self._asleep = level
+        if level == 2:
+            self._resident = None
+
+    def _wake(self) -> None:
+        if self._asleep is not None:
+            self._llm.wake_up()
+            self._asleep = None
 
     def generate(self, agent_index: int, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one completion per prompt row for agent `agent_index`.
@@ -449,9 +559,11 @@ class TeamVLLM(_TeamSampling):
             processed (tempered, filtered) sampling distribution, as TRL's importance-sampling correction needs.
         """
         self._check_agent(agent_index)
-        engine = self._engine_of[agent_index]
-        self._check_rows(prompt_ids, self._max_model_length[engine], "raise `max_model_length`")
-        seeds = self._next_seeds(agent_index, len(prompt_ids))
+        group = self._group_of[agent_index]
+        self._check_rows(prompt_ids, self._max_model_length, "raise `max_model_length`")
+        self._load(group)
+        key = (self._rank,) if self._world_size > 1 else ()
+        seeds = self._next_seeds(agent_index, len(prompt_ids), *key)
         params = [
             self._sampling_params(
                 n=1, logprobs=0, stop_token_ids=self._stop_ids[agent_index], seed=seed, **self.sampling
@@ -459,7 +571,7 @@ class TeamVLLM(_TeamSampling):
             for seed in seeds
         ]
         lora_request = None
-        if self._lora_engine[engine]:
+        if self._lora_group[group]:
             from vllm.lora.request import LoRARequest
 
             lora_id = self._lora_ids[agent_index]
@@ -468,7 +580,7 @@ class TeamVLLM(_TeamSampling):
                 lora_id,
                 os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}"),
             )
-        outputs = self._engines[engine].generate(
+        outputs = self._llm.generate(
             [{"prompt_token_ids": row} for row in prompt_ids], params, use_tqdm=False, lora_request=lora_request
         )
         completions = [output.outputs[0] for output in outputs]
@@ -477,16 +589,53 @@ class TeamVLLM(_TeamSampling):
         return completion_ids, logprobs
 
     def close(self) -> None:
-        """Shut the engines down and delete the temporary adapter and config files.
-
-        Engines of other `TeamVLLM`s in this process keep working.
-        """
-        for release in self._releases:
-            release()
-        self._releases.clear()
-        self._engines.clear()
+        """Shut the engine down and delete the temporary adapter and config files."""
+        self._release()
+        self._llm = None
         gc.collect()
         self._tmp.cleanup()
+
+
+def _distributed() -> tuple[int, int]:
+    """This process's rank and the world size of `torch.distributed` (0 and 1 without it)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _weights_dtype(model: nn.Module) -> torch.dtype:
+    base = model.get_base_model() if _is_peft(model) else model
+    return next(p.dtype for p in base.parameters() if p.is_floating_point())
+
+
+def _sleep_mode_setting(sleep_mode: bool | None) -> bool:
+    """Whether to use vLLM's sleep mode: where the platform offers it unless turned off; an error where it does not."""
+    from vllm.platforms import current_platform
+
+    available = current_platform.is_sleep_mode_available()
+    if sleep_mode and not available:
+        raise ValueError(
+            f"`sleep_mode`=True, but vLLM's {current_platform.device_name or 'current'} platform has no sleep mode (it "
+            "needs a CUDA GPU; the CPU build has none): leave `sleep_mode` unset or False."
+        )
+    return available if sleep_mode is None else sleep_mode
+
+
+def _check_launcher_environment(rank: int, world_size: int) -> None:
+    """vLLM's `external_launcher` backend reads the process's place from the launcher's environment variables."""
+    missing = [
+        name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
+    ]
+    if missing:
+        raise ValueError(
+            f"use_vllm=True on {world_size} processes builds one vLLM engine per process, which reads "
+            f"{', '.join(missing)} from the environment: launch with torchrun or `accelerate launch`."
+        )
+    if int(os.environ["RANK"]) != rank or int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(
+            f"RANK={os.environ['RANK']} and WORLD_SIZE={os.environ['WORLD_SIZE']} disagree with torch.distributed "
+            f"(rank {rank} of {world_size}): launch with torchrun or `accelerate launch`."
+        )
 
 
 def _engine_release(llm: Any) -> weakref.finalize:

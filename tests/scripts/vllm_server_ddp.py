@@ -1,19 +1,22 @@
 """Two-process MAGRPO with LoRA agents generating through one vLLM server (`vllm_mode="server"`).
 
 Arguments: output_dir, the server's URL, the base model path the server serves. Every rank generates its own rows
-through the server; rank 0 alone writes and loads each agent's new adapter, the other waits for it.
+through the server; rank 0 alone writes and loads each agent's new adapter, the other waits for it. After training,
+rank 0 writes an empty adapter directory, so the server refuses the load: the failure must reach both ranks.
 """
 
 import hashlib
 import json
+import os
 import sys
+import time
 
 import requests
 import torch.distributed as dist
 from datasets import Dataset
 from peft import LoraConfig
 
-from comlrl_trl.generation import TeamVLLMServer
+from comlrl_trl.generation import TeamVLLMServer, vllm_server
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
@@ -68,13 +71,25 @@ def main(output_dir: str, url: str, model_path: str) -> None:
         hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in m.parameters() if p.requires_grad)).hexdigest()
         for m in trainer.agents
     ]
-    served = sorted(m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"])
+    headers = {"Authorization": f"Bearer {os.environ['VLLM_API_KEY']}"}  # the server's key, as the trainer sends it
+    served = sorted(m["id"] for m in requests.get(f"{url}/v1/models", headers=headers).json()["data"] if m["parent"])
+    dist.barrier()  # both ranks have read what the server serves before rank 0 unloads for the failing load
+    vllm_server._write_adapter = lambda model, path: os.makedirs(path)  # no files: the server refuses the load
+    start = time.monotonic()
+    try:
+        trainer.generation_engines.sync(0, trainer.agents[0])
+        failure = None
+    except Exception as error:
+        failure = f"{type(error).__name__}: {error}"
+    failure_seconds = time.monotonic() - start
     mine = {"digests": digests, "generated": GENERATED, "loads": LOADS, "served": served}
+    mine.update(failure=failure, failure_seconds=failure_seconds)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     trainer.generation_engines.close()
     dist.barrier()
-    served_after_close = [m["id"] for m in requests.get(f"{url}/v1/models").json()["data"] if m["parent"]]
+    answer = requests.get(f"{url}/v1/models", headers=headers).json()
+    served_after_close = [m["id"] for m in answer["data"] if m["parent"]]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"ranks": everyone, "served_after_close": served_after_close}))
 

@@ -76,12 +76,15 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             reach about 1,000 tokens, and cutting from the left would drop the problem statement.
 
         vllm_lora_mode (`str`, *optional*, defaults to `"adapter"`):
-            With `use_vllm=True` (TRL's field; generation through the team's vLLM engines, see docs/vllm.md), how LoRA
-            agents on one base model generate: `"adapter"`, one engine for the team and each agent's adapter passed
-            per request (one copy of the base in memory); `"merged"`, one engine per agent with its adapter merged
-            into the weights (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX). With TRL's
+            With `use_vllm=True` (TRL's field; generation through the team's vLLM engine, one per process, see
+            docs/vllm.md), how LoRA agents on one base model generate: `"adapter"`, each agent's adapter passed per
+            request (the base loaded once); `"merged"`, each agent's weights with its adapter merged loaded into the
+            engine before it generates (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX). With TRL's
             `vllm_mode="server"` and `vllm_server_base_url`, LoRA agents on one base model generate through a
             running vLLM server instead, which loads each agent's adapter after each of its steps (docs/vllm.md).
+        vllm_server_request_timeout (`float`, *optional*, defaults to `600.0`):
+            With `vllm_mode="server"`: seconds to wait for the server's answer to any one request (a sample, an
+            adapter load) before raising. The server's API key comes from the `VLLM_API_KEY` environment variable.
 
         > Parameters that control the update
 
@@ -176,8 +179,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     vllm_lora_mode: Literal["adapter", "merged"] = field(
         default="adapter",
         metadata={
-            "help": "use_vllm with LoRA agents: one engine with an adapter per agent, or one merged engine each."
+            "help": "use_vllm with LoRA agents: an adapter per agent, or each agent's merged weights loaded in turn."
         },
+    )
+    vllm_server_request_timeout: float = field(
+        default=600.0,
+        metadata={"help": "vllm_mode='server': seconds to wait for any one answer of the server before raising."},
     )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
@@ -322,6 +329,10 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             )
         if self.vllm_lora_mode not in ("adapter", "merged"):
             raise ValueError(f"vllm_lora_mode must be 'adapter' or 'merged', got {self.vllm_lora_mode!r}.")
+        if self.vllm_server_request_timeout <= 0:
+            raise ValueError(
+                f"vllm_server_request_timeout must be > 0 seconds, got {self.vllm_server_request_timeout}."
+            )
         for name in ("num_agents", "num_turns", "eval_batch_size", "eval_num_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

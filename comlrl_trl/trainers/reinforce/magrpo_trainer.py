@@ -270,8 +270,8 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                     p.data = base.data
 
     def _start_generation_engines(self):
-        """`use_vllm=True`: the team's vLLM engines (one per base model of LoRA agents, one per fully trained agent),
-        or, with `vllm_mode="server"`, a running vLLM server that serves every LoRA agent as an adapter."""
+        """`use_vllm=True`: the team's vLLM engine (one per process; each agent's weights or adapter in turn), or,
+        with `vllm_mode="server"`, a running vLLM server that serves every LoRA agent as an adapter."""
         args = self.args
         server = args.vllm_mode == "server"
         if not server and importlib.util.find_spec("vllm") is None:
@@ -311,6 +311,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 base_url=args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}",
                 adapter_dir=os.path.join(os.path.abspath(args.output_dir), "vllm-adapters"),
                 timeout=args.vllm_server_timeout,
+                request_timeout=args.vllm_server_request_timeout,
                 **sampling,
             )
         else:
@@ -323,6 +324,8 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 max_model_length=args.vllm_max_model_length,
                 dtype="bfloat16" if args.bf16 else "auto",
                 lora_mode=args.vllm_lora_mode,
+                # on wherever vLLM offers it (CUDA); TRL's vllm_enable_sleep_mode=True insists on it
+                sleep_mode=True if args.vllm_enable_sleep_mode else None,
                 **sampling,
             )
         for agent in self._team:
