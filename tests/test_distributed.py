@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from comlrl_trl.testing import tiny_model_path
+
 
 def run_torchrun(script: str, tmp_path, processes: int, *args: str, zero_stage: str | None = None) -> dict:
     """Run `tests/scripts/<script>` under torchrun and return the JSON of its `RESULT ` line."""
+    tiny_model_path("qwen2")  # built here, once: ranks building it concurrently under torchrun saved no weights
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     if zero_stage is not None:
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=zero_stage)
@@ -135,6 +138,17 @@ def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
     all-reduce (a zero-weight placeholder pair). Skipping them hung rank 0; here both finish with equal weights."""
     report = run_torchrun("madpo_ties.py", tmp_path, 2)
     assert report["steps"] == 2 and report["pairs"] == [2.0, 2.0]  # the 2 pairs of rank 0's item, none on rank 1
+    assert report["same"] and report["moved"]
+    assert all(0 < loss < 10 for loss in report["losses"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_madpo_uneven_pairs_on_two_zero3_ranks(tmp_path):
+    """Rank 0 keeps every pair of its item (6 pairs, 12 rows: 3 no-grad chunks of 4 rows), rank 1 only ties (one
+    placeholder pair, 1 chunk). ZeRO-3 gathers the parameters in every forward, so rank 1 pads its no-grad pass to
+    3 forwards; before, DeepSpeed stopped with "Detected a disagreement on list length between rank0 and rank1"."""
+    report = run_torchrun("madpo_ties.py", tmp_path, 2, "all", zero_stage="3")
+    assert report["steps"] == 2 and report["pairs"] == [6.0, 6.0]  # C(4, 2) pairs of rank 0's item, per step
     assert report["same"] and report["moved"]
     assert all(0 < loss < 10 for loss in report["losses"])
 
