@@ -105,6 +105,11 @@ def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resum
         report["files"]
     )
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left
+    files = len(report["files"])
+    # rank 0 hashed checkpoint-1 to verify it (its files and checkpoint-2's manifest); rank 1 hashed nothing
+    assert report["hashed"][0] >= files and report["hashed"][1] == 0
+    rank0_error, rank1_error = report["errors"]  # checkpoint-1 damaged: both ranks stop with rank 0's verdict
+    assert rank0_error == rank1_error and "agent_1/model.safetensors is damaged" in rank0_error
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
