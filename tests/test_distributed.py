@@ -203,3 +203,41 @@ def test_deepspeed_resume_is_exact_for_every_agent_critic_and_head(tmp_path, sta
     assert resumed["steps"] == full["steps"]
     assert len(full["weights"]) == (3 if algorithm == "maac" else 2)  # the agents (with their heads), the critic
     assert resumed["weights"] == full["weights"]
+
+
+# Optimiser steps of each family's run in two_rank_zero.py: 8 items, 4 per rank. MAGRPO: 4 completions per step =
+# 2 items (K=2); IAC/MAAC: 2 items per step; MADPO: 4 candidates per step = 1 item; MARLHF(Iter): 1 item per step
+# of each RL stage (K=2, 2 completions per step).
+TWO_RANK_STEPS = {"magrpo": 2, "magrpo_multi_turn": 2, "iac": 2, "maac": 2, "madpo": 4, "marlhf": 4, "marlhf_iter": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("family", list(TWO_RANK_STEPS))
+def test_every_family_on_two_zero_ranks_with_uneven_work(tmp_path, stage, family):
+    """Two ranks under ZeRO-2/3 with uneven work (rank 1's rewards all tie, MADPO and MARLHF pairs only on rank 0,
+    sampled lengths per rank, a second turn): the run finishes, every agent (with its value head) and critic
+    trained, and both ranks hold byte-identical weights (SHA-256 of the gathered parameters)."""
+    report = run_torchrun("two_rank_zero.py", tmp_path, 2, family, zero_stage=stage)
+    assert report["world"] == 2 and report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
+    rank0, rank1 = report["after"]
+    assert len(rank0) == {"iac": 4, "maac": 3}.get(family, 2)  # agents, then separate critics or the joint one
+    assert rank0 == rank1
+    assert all(after != before for after, before in zip(rank0, report["before"]))
+    assert report["steps"] == TWO_RANK_STEPS[family]
+    if family == "madpo":  # C(4, 2) pairs of rank 0's item per step, none on rank 1
+        assert report["pairs"] == [6.0] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_two_zero_ranks_resume_to_the_weights_of_the_uninterrupted_run(tmp_path, stage):
+    """MAGRPO on two ZeRO ranks, 2 epochs with a checkpoint per epoch; resuming from checkpoint-1 ends with the
+    uninterrupted run's weights on both ranks (every rank's engine state and RNG restored)."""
+    full = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "full", zero_stage=stage)
+    resumed = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "resume", zero_stage=stage)
+    assert full["steps"] == resumed["steps"] == 4  # 2 steps per epoch
+    assert full["after"][0] == full["after"][1] == resumed["after"][0] == resumed["after"][1]
+    assert all(after != before for after, before in zip(full["after"][0], full["before"]))
