@@ -147,6 +147,21 @@ def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
     assert all(0 < loss < 10 for loss in report["losses"])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_two_zero3_ranks_build_the_tiny_model_into_an_empty_cache(tmp_path, monkeypatch):
+    """Both ranks get the whole model: as many parameters as the tiny Qwen2 built by one process (the seed changes
+    the weights, not the shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_path("qwen2")).parameters())
+    monkeypatch.setenv("COMLRL_TRL_CACHE", str(tmp_path / "cache"))
+    report = run_torchrun("tiny_model_ranks.py", tmp_path, 2, zero_stage="3")
+    for files, parameters in report["ranks"]:
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+        assert parameters == expected
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
 def test_madpo_uneven_pairs_on_two_zero3_ranks(tmp_path):
     """Rank 0 keeps every pair of its item (6 pairs, 12 rows: 3 no-grad chunks of 4 rows), rank 1 only ties (one
