@@ -60,3 +60,15 @@ def _hidden_size(model) -> int:
         config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "hidden_size", CPU_BF16_MIN_HIDDEN_SIZE)
+
+
+def training_autocast(accelerator, bf16: bool):
+    """The autocast of a forward outside the agents' own loss: bf16 when the run trains in bf16.
+
+    Accelerate's `autocast()` is a no-op under DeepSpeed (its engines cast the modules they hold to bf16 themselves),
+    so a model beside the engines (a critic with its own optimiser, fp32 master weights) would run in fp32 there:
+    torch's own bf16 autocast is used instead. Elsewhere it is Accelerate's (bf16 or fp16, or none).
+    """
+    if bf16 and not accelerator.native_amp:
+        return torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16)
+    return accelerator.autocast()

@@ -21,6 +21,18 @@ def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic
         return adapter if adapter is not None else AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
 
 
+def one_device_loading(model_init_kwargs: dict | None) -> dict:
+    """The agents' loading settings (`model_init_kwargs`, which TRL passes to `from_pretrained`) with
+    `device_map=None` unless one is given.
+
+    Without a `device_map` TRL picks `"auto"` for a single process on a GPU machine, which spreads each agent's
+    layers over every visible GPU (several agents then share all of them, and compute hops between cards). With
+    `None` the model loads whole and the Trainer moves it to the process's one device (`cuda:0`, or `LOCAL_RANK`'s
+    under a launcher), as TRL already does for DDP and DeepSpeed. An explicit `device_map` is kept.
+    """
+    return {"device_map": None, **(model_init_kwargs or {})}
+
+
 def load_saved_adapter(source, model_kwargs: dict | None = None):
     """A local directory holding a PEFT adapter (from `save_model` with LoRA), loaded trainable; otherwise None."""
     if isinstance(source, (str, os.PathLike)) and os.path.isfile(os.path.join(source, "adapter_config.json")):

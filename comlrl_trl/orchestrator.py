@@ -30,6 +30,7 @@ from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
 from .core.returns import suffix_returns, tree_returns
 from .formatters import Formatter, check_prompt, format_prompt
+from .hardware import training_autocast
 from .joint_reward import JointReward, accepts_keyword
 
 
@@ -304,7 +305,10 @@ def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
     """
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs):
+    with (
+        disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs),
+        training_autocast(agent.accelerator, agent.args.bf16),  # as the loss: bf16 also where Accelerate's is off
+    ):
         logps = agent.per_token_logps(
             agent.model,
             input_ids,

@@ -44,6 +44,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from .loading import whole_weights
+
 
 __all__ = [
     "ModelKind",
@@ -258,6 +260,21 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(root).expanduser()
 
 
+def _wait_for_build(target: Path, timeout: float = 600.0) -> Path:
+    """Wait for another process (rank 0) to rename its complete build into `target`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (target / _COMPLETE_MARKER).is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{target} was not built within {timeout:.0f} s: in a process group transformers saves only on "
+                "rank 0, so rank 0 must call tiny_model_path too (or build the model before launching)."
+            )
+        time.sleep(0.2)
+    return target
+
+
 def tiny_model_path(kind: ModelKind = "qwen2", seed: int = 0, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Return a directory holding ``save_pretrained`` output of a tiny model + tokenizer.
 
@@ -277,9 +294,15 @@ def tiny_model_path(kind: ModelKind = "qwen2", seed: int = 0, cache_dir: str | o
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     try:
         tokenizer = build_tokenizer(kind)
-        model = build_tiny_model(kind, tokenizer, seed=seed)
-        model.save_pretrained(tmp)
+        # Whole weights even after a ZeRO-3 config exists in this process (a trainer config built first): under its
+        # hooks the model would be partitioned, and save_pretrained would write no weights and no config.
+        with whole_weights():
+            model = build_tiny_model(kind, tokenizer, seed=seed)
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file():
+            # In an initialised process group transformers writes only on rank 0: take the copy rank 0 builds.
+            return str(_wait_for_build(target))
         (tmp / _COMPLETE_MARKER).write_text(f"{kind} seed={seed} {CACHE_VERSION}\n")
         if target.exists() and not (target / _COMPLETE_MARKER).is_file():
             shutil.rmtree(target, ignore_errors=True)  # stale partial dir from an old crash

@@ -235,3 +235,54 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
         build(num_train_epochs=2, reward_learning_rate=1e-2).train(
             resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2")
         )
+
+
+def test_a_filesystem_without_flock_warns_once_and_trains(qwen_path, make_config, tmp_path, monkeypatch):
+    """NFS mounted nolock or Lustre answer flock with ENOLCK/EOPNOTSUPP (not BlockingIOError): a warning, once per
+    process, and the run saves and resumes without the lock (it crashed at start before)."""
+    from comlrl_trl import checkpoint
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", no_flock)
+    monkeypatch.setattr(checkpoint, "_warned_no_flock", False)
+    root = tmp_path / "ckpt"
+    with pytest.warns(UserWarning, match="has no working flock \\(No locks available\\)") as caught:
+        _trainer(qwen_path, make_config).train(checkpoint_dir=root)
+        _trainer(qwen_path, make_config, epochs=2).train(resume_from_checkpoint=True, checkpoint_dir=root)
+    assert len([w for w in caught if "flock" in str(w.message)]) == 1  # once, not per run or save
+    assert sorted(os.listdir(root)) == ["checkpoint-1", "checkpoint-2"]  # no lock file left that looks held
+
+
+def test_a_flock_error_other_than_no_support_is_not_the_contended_lock(tmp_path, monkeypatch):
+    """EOPNOTSUPP takes the same fallback; a lock held by another process (BlockingIOError) still refuses."""
+    from comlrl_trl import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_warned_no_flock", False)
+    monkeypatch.setattr(
+        checkpoint.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "Not supported"))
+    )
+    lock = checkpoint.RunLock()
+    with pytest.warns(UserWarning, match="Not supported"):
+        lock.acquire(str(tmp_path))
+    lock.release()
+    monkeypatch.setattr(checkpoint.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(BlockingIOError()))
+    with pytest.raises(RuntimeError, match="in use by another live training run"):
+        checkpoint.RunLock().acquire(str(tmp_path))
+
+
+def test_hashing_on_threads_gives_the_digests_of_one_thread(tmp_path):
+    """The manifest hashes files in parallel: every file's digest and size is the one hashlib gives it alone."""
+    import hashlib
+
+    from comlrl_trl import checkpoint
+
+    contents = {f"agent_{i}/shard-{j}.bin": os.urandom(1000 * (i + 1) + j) for i in range(3) for j in range(4)}
+    for relative, data in contents.items():
+        (tmp_path / relative).parent.mkdir(exist_ok=True)
+        (tmp_path / relative).write_bytes(data)
+    manifest = checkpoint.build_manifest(str(tmp_path))
+    assert list(manifest) == sorted(contents)
+    for relative, data in contents.items():
+        assert manifest[relative] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

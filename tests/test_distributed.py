@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from comlrl_trl.testing import tiny_model_path
+
 
 def run_torchrun(script: str, tmp_path, processes: int, *args: str, zero_stage: str | None = None) -> dict:
     """Run `tests/scripts/<script>` under torchrun and return the JSON of its `RESULT ` line."""
+    tiny_model_path("qwen2")  # built here, once: ranks building it concurrently under torchrun saved no weights
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     if zero_stage is not None:
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=zero_stage)
@@ -102,6 +105,11 @@ def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resum
         report["files"]
     )
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left
+    files = len(report["files"])
+    # rank 0 hashed checkpoint-1 to verify it (its files and checkpoint-2's manifest); rank 1 hashed nothing
+    assert report["hashed"][0] >= files and report["hashed"][1] == 0
+    rank0_error, rank1_error = report["errors"]  # checkpoint-1 damaged: both ranks stop with rank 0's verdict
+    assert rank0_error == rank1_error and "agent_1/model.safetensors is damaged" in rank0_error
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
@@ -135,6 +143,32 @@ def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
     all-reduce (a zero-weight placeholder pair). Skipping them hung rank 0; here both finish with equal weights."""
     report = run_torchrun("madpo_ties.py", tmp_path, 2)
     assert report["steps"] == 2 and report["pairs"] == [2.0, 2.0]  # the 2 pairs of rank 0's item, none on rank 1
+    assert report["same"] and report["moved"]
+    assert all(0 < loss < 10 for loss in report["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_two_zero3_ranks_build_the_tiny_model_into_an_empty_cache(tmp_path, monkeypatch):
+    """Both ranks get the whole model: as many parameters as the tiny Qwen2 built by one process (the seed changes
+    the weights, not the shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_path("qwen2")).parameters())
+    monkeypatch.setenv("COMLRL_TRL_CACHE", str(tmp_path / "cache"))
+    report = run_torchrun("tiny_model_ranks.py", tmp_path, 2, zero_stage="3")
+    for files, parameters in report["ranks"]:
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+        assert parameters == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+def test_madpo_uneven_pairs_on_two_zero3_ranks(tmp_path):
+    """Rank 0 keeps every pair of its item (6 pairs, 12 rows: 3 no-grad chunks of 4 rows), rank 1 only ties (one
+    placeholder pair, 1 chunk). ZeRO-3 gathers the parameters in every forward, so rank 1 pads its no-grad pass to
+    3 forwards; before, DeepSpeed stopped with "Detected a disagreement on list length between rank0 and rank1"."""
+    report = run_torchrun("madpo_ties.py", tmp_path, 2, "all", zero_stage="3")
+    assert report["steps"] == 2 and report["pairs"] == [6.0, 6.0]  # C(4, 2) pairs of rank 0's item, per step
     assert report["same"] and report["moved"]
     assert all(0 < loss < 10 for loss in report["losses"])
 
@@ -184,3 +218,41 @@ def test_deepspeed_resume_is_exact_for_every_agent_critic_and_head(tmp_path, sta
     assert resumed["steps"] == full["steps"]
     assert len(full["weights"]) == (3 if algorithm == "maac" else 2)  # the agents (with their heads), the critic
     assert resumed["weights"] == full["weights"]
+
+
+# Optimiser steps of each family's run in two_rank_zero.py: 8 items, 4 per rank. MAGRPO: 4 completions per step =
+# 2 items (K=2); IAC/MAAC: 2 items per step; MADPO: 4 candidates per step = 1 item; MARLHF(Iter): 1 item per step
+# of each RL stage (K=2, 2 completions per step).
+TWO_RANK_STEPS = {"magrpo": 2, "magrpo_multi_turn": 2, "iac": 2, "maac": 2, "madpo": 4, "marlhf": 4, "marlhf_iter": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("family", list(TWO_RANK_STEPS))
+def test_every_family_on_two_zero_ranks_with_uneven_work(tmp_path, stage, family):
+    """Two ranks under ZeRO-2/3 with uneven work (rank 1's rewards all tie, MADPO and MARLHF pairs only on rank 0,
+    sampled lengths per rank, a second turn): the run finishes, every agent (with its value head) and critic
+    trained, and both ranks hold byte-identical weights (SHA-256 of the gathered parameters)."""
+    report = run_torchrun("two_rank_zero.py", tmp_path, 2, family, zero_stage=stage)
+    assert report["world"] == 2 and report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
+    rank0, rank1 = report["after"]
+    assert len(rank0) == {"iac": 4, "maac": 3}.get(family, 2)  # agents, then separate critics or the joint one
+    assert rank0 == rank1
+    assert all(after != before for after, before in zip(rank0, report["before"]))
+    assert report["steps"] == TWO_RANK_STEPS[family]
+    if family == "madpo":  # C(4, 2) pairs of rank 0's item per step, none on rank 1
+        assert report["pairs"] == [6.0] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_two_zero_ranks_resume_to_the_weights_of_the_uninterrupted_run(tmp_path, stage):
+    """MAGRPO on two ZeRO ranks, 2 epochs with a checkpoint per epoch; resuming from checkpoint-1 ends with the
+    uninterrupted run's weights on both ranks (every rank's engine state and RNG restored)."""
+    full = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "full", zero_stage=stage)
+    resumed = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "resume", zero_stage=stage)
+    assert full["steps"] == resumed["steps"] == 4  # 2 steps per epoch
+    assert full["after"][0] == full["after"][1] == resumed["after"][0] == resumed["after"][1]
+    assert all(after != before for after, before in zip(full["after"][0], full["before"]))

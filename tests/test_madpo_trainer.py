@@ -170,3 +170,37 @@ def test_sequence_logps_in_chunks_match_one_forward(qwen_path):
     hook.remove()
     assert len(calls) == 1 + 3
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_logps_runs_the_agreed_number_of_forwards(qwen_path):
+    """A process with fewer pairs pads its no-grad pass to the forwards of the busiest process (ZeRO-3 gathers the
+    parameters in each one); the padding forwards change no result, and fewer forwards than chunks is refused."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_path).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, model.config.vocab_size, (3, 2), generator=generator)
+    completion_ids = torch.randint(0, model.config.vocab_size, (3, 3), generator=generator)
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with torch.no_grad():
+        plain = sequence_logps(model, *tensors, chunk=2)  # ceil(3 / 2) = 2 forwards
+        padded = sequence_logps(model, *tensors, chunk=2, num_forwards=5)
+    hook.remove()
+    assert len(calls) == 2 + 5
+    assert padded.shape == (3,)
+    torch.testing.assert_close(padded, plain)
+    with pytest.raises(ValueError, match="num_forwards=1 is fewer than the 2 chunks of 3 rows"):
+        sequence_logps(model, *tensors, chunk=2, num_forwards=1)
+
+
+def test_forwards_needed_is_the_largest_chunk_count_of_the_process(qwen_path):
+    """One process: each batch's own ceil(rows / chunk) (the all-process maximum is checked on two ranks)."""
+    from types import SimpleNamespace
+
+    from comlrl_trl.trainers.preference.madpo_trainer import forwards_needed
+
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    assert forwards_needed([2, 12, 5], 4, accelerator) == [1, 3, 2]

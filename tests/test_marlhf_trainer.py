@@ -80,6 +80,20 @@ def _score_alone(model, tokenizer, text):
 # ----- the reward model -----
 
 
+def test_reward_model_scores_under_no_grad_not_inference_mode(qwen_path):
+    """ZeRO-3's parameter hooks gather and release the weights in place during the forward, which inference mode
+    forbids on tensors created outside it: the scorer uses no_grad, as TRL's reward scoring does."""
+    tokenizer = load_reward_tokenizer(qwen_path)
+    model = load_reward_backbone(qwen_path, tokenizer, seed=0)
+    modes = []
+    model.register_forward_pre_hook(
+        lambda module, args: modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+    )
+    scores = RewardModelScorer(model, tokenizer, max_length=None, batch_size=2).score(["a b", "c", "d e f"])
+    assert len(scores) == 3
+    assert modes == [(False, False), (False, False)]  # 2 batches of at most 2 texts; no graph, no inference mode
+
+
 def test_reward_model_separates_toy_pairs(qwen_path, tmp_path):
     tokenizer = load_reward_tokenizer(qwen_path)
     model = load_reward_backbone(qwen_path, tokenizer, seed=0)

@@ -175,3 +175,74 @@ def test_lora_generation_casts_the_frozen_base_once_and_keeps_it_frozen(qwen_pat
     assert len(casts) == 4
     assert {name for name, p in trainer.model.named_parameters() if p.requires_grad} == trainable
     assert all("lora_" in name for name in trainable)
+
+
+def test_training_autocast_is_bf16_where_accelerates_is_a_no_op():
+    """Under DeepSpeed Accelerate's autocast() is a null context (native_amp off): bf16 comes from torch's own."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    sentinel = nullcontext("accelerate's")
+    deepspeed_like = SimpleNamespace(native_amp=False, device=torch.device("cpu"), autocast=lambda: sentinel)
+    with hardware.training_autocast(deepspeed_like, bf16=True):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert hardware.training_autocast(deepspeed_like, bf16=False) is sentinel  # fp32 (or fp16): Accelerate's
+    native = SimpleNamespace(native_amp=True, device=torch.device("cpu"), autocast=lambda: sentinel)
+    assert hardware.training_autocast(native, bf16=True) is sentinel
+
+
+def test_critic_and_reference_kl_forwards_run_in_bf16_when_accelerates_autocast_is_off(
+    qwen_path, tmp_path, monkeypatch
+):
+    """MAAC with bf16 and Accelerate's native AMP off (as under DeepSpeed): the critic's rollout-time and training
+    forwards, and the agents' rollout-time reference-KL forward, still run their matrix products in bf16."""
+    from comlrl_trl.trainers.actor_critic import MAACConfig, MAACTrainer
+
+    trainer = MAACTrainer(
+        agent_model=qwen_path,
+        critic_model=qwen_path,
+        reward_func=_lengths,
+        train_dataset=_items(2),
+        args=MAACConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=2,
+            max_new_tokens=6,
+            learning_rate=0.05,
+            beta=0.1,
+            report_to="none",
+            num_train_epochs=1,
+            eval_interval=0,
+            bf16=True,
+            max_steps=1,
+        ),
+    )
+    for agent in trainer._team:
+        agent.accelerator.native_amp = False  # DeepSpeed's setting: accelerator.autocast() does nothing
+    from comlrl_trl import orchestrator
+
+    seen = {"critic rollout": set(), "critic training": set(), "reference KL": set()}
+    in_kl = []
+
+    def recorded_kl(agent, batch):
+        in_kl.append(True)
+        try:
+            return kl_stats(agent, batch)
+        finally:
+            in_kl.pop()
+
+    kl_stats = orchestrator.reference_kl_stats
+    monkeypatch.setattr(orchestrator, "reference_kl_stats", recorded_kl)
+    critic_projection = trainer.critics[0].model.model.layers[0].mlp.up_proj
+    critic_projection.register_forward_hook(
+        lambda m, i, out: seen["critic training" if torch.is_grad_enabled() else "critic rollout"].add(out.dtype)
+    )
+    for model in trainer.agents:
+        model.model.layers[0].mlp.up_proj.register_forward_hook(
+            lambda m, i, out: seen["reference KL"].add(out.dtype) if in_kl else None
+        )
+    trainer.train()
+    assert seen == {
+        "critic rollout": {torch.bfloat16},
+        "critic training": {torch.bfloat16},
+        "reference KL": {torch.bfloat16},
+    }

@@ -238,3 +238,12 @@ def test_actor_critic_recipe_trains_the_embedded_model(tmp_path):
     assert summary["env_steps"] == 2 * 4
     assert any("agent_0/value_loss" in row for row in summary["log_history"])
     assert (tmp_path / "models" / "agent_1" / "critic" / "value_head.pt").is_file()
+
+
+def test_the_multi_node_accelerate_config_is_one_accelerate_reads_as_2_machines_of_8_gpus():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "recipes" / "accelerate" / "deepspeed_zero2_multinode.yaml"))
+    assert str(config.distributed_type) == "DistributedType.DEEPSPEED"
+    assert (config.num_machines, config.num_processes) == (2, 2 * 8)  # num_processes counts every machine's GPUs
+    assert config.deepspeed_config["zero_stage"] == 2 and config.main_process_ip and config.main_process_port

@@ -32,7 +32,7 @@ from ..checkpoint import (
     save_staged,
     stateful_objects,
     tokenizer_fingerprint,
-    verify_checkpoint,
+    verify_checkpoint_once,
     write_metadata,
 )
 from ..integrations.wandb import WandbRunCallback
@@ -87,7 +87,7 @@ class TeamCheckpoints:
             resume = None
         self._resume_path = os.fspath(resume) if resume is not None else None
         if self._resume_path is not None:
-            metadata = verify_checkpoint(self._resume_path)
+            metadata = verify_checkpoint_once(self._resume_path, self.accelerator)
             check_compatible(metadata["compat"], self.compatibility(), self._resume_path)
             self._run_id, self.checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:

@@ -1,5 +1,6 @@
 """Two-process MAGRPO checkpoints: one staging directory shared by the ranks, a manifest with every rank's RNG
-file, and a verified resume on both ranks."""
+file, and a resume verified by rank 0 alone (rank 1 hashes nothing), whose verdict on a damaged checkpoint reaches
+both ranks."""
 
 import json
 import sys
@@ -7,6 +8,7 @@ import sys
 import torch.distributed as dist
 from datasets import Dataset
 
+from comlrl_trl import checkpoint
 from comlrl_trl.testing import tiny_model_path
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils import read_checkpoint_metadata
@@ -35,13 +37,32 @@ def build(output_dir: str, epochs: int) -> MAGRPOTrainer:
 
 def main(root: str) -> None:
     build(f"{root}/out", 1).train(checkpoint_dir=f"{root}/ckpt")
+    hashed = []
+    sha256 = checkpoint._sha256
+    checkpoint._sha256 = lambda path: hashed.append(path) or sha256(path)
     resumed = build(f"{root}/out", 2)
     resumed.train(resume_from_checkpoint=True, checkpoint_dir=f"{root}/ckpt")
-    steps = [None] * dist.get_world_size()
+    steps, counts = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(steps, resumed.state.global_step)
+    dist.all_gather_object(counts, len(hashed))
+    if dist.get_rank() == 0:  # damage checkpoint-1: the verdict of rank 0 must stop both ranks
+        with open(f"{root}/ckpt/checkpoint-1/agent_1/model.safetensors", "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+    dist.barrier()
+    try:
+        build(f"{root}/out2", 2).train(resume_from_checkpoint=f"{root}/ckpt/checkpoint-1")
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
     if dist.get_rank() == 0:
         manifest = read_checkpoint_metadata(f"{root}/ckpt/checkpoint-2")["manifest"]
-        print("RESULT " + json.dumps({"steps": steps, "files": sorted(manifest)}))
+        report = {"steps": steps, "files": sorted(manifest), "hashed": counts, "errors": errors}
+        print("RESULT " + json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ...core.values import value_loss
+from ...hardware import training_autocast
 from ...joint_text import joint_text
 from ...loading import attach_value_head, load_exported_weights
 from ...value_models import (
@@ -131,7 +132,7 @@ class _OwnOptimisers:
         """Backpropagate the critic's weighted value loss on one micro-batch; returns the unweighted loss."""
         trainer = self.trainer
         args = trainer.args
-        with trainer.accelerator.autocast():
+        with training_autocast(trainer.accelerator, args.bf16):
             values = critic(ids, mask, index).float()
         loss = value_loss(values, batch["value_targets"], batch["old_values"], args.value_clip_range)
         if not torch.isfinite(loss):

@@ -12,6 +12,7 @@ import torch
 
 from ...batching import concat_scored_batches
 from ...core.values import broadcast_rewards, td_targets, whiten
+from ...hardware import training_autocast
 from ...joint_reward import JointReward
 from ...orchestrator import JointRolloutOrchestrator, Node, Turn
 
@@ -90,7 +91,8 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
             ]
             for a in range(n)
         ]  # the agents' own rewards: TRL's reward metrics stay true
-        values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
+        with training_autocast(self.accelerator, self.args.bf16):  # the precision the critics train in
+            values = self.critics.rollout_values(turns, scored)  # [agent][turn] -> (rows,)
         targets = [[self._targets(a, t, turns, values) for t in range(len(turns))] for a in range(n)]
         self.critics.store(targets, values)
         self.samples = []

@@ -21,27 +21,44 @@ from .pairs import pair_rng
 
 
 def sequence_logps(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk: int | None = None
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    chunk: int | None = None,
+    num_forwards: int | None = None,
 ) -> torch.Tensor:
     """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1).
 
     `chunk`: forward at most this many rows at a time (for no-grad passes: the logits of all rows at once are
-    rows x tokens x vocabulary floats).
+    rows x tokens x vocabulary floats). `num_forwards`: run exactly this many forwards (at least
+    `ceil(rows / chunk)`); the extra ones run on the first row and are discarded. Under ZeRO-3 every forward gathers
+    the parameters with a collective, so every process must run as many as the others (see `forwards_needed`).
     """
     rows = prompt_ids.size(0)
-    if chunk is not None and rows > chunk:
-        return torch.cat(
-            [
-                sequence_logps(
-                    model,
-                    prompt_ids[i : i + chunk],
-                    prompt_mask[i : i + chunk],
-                    completion_ids[i : i + chunk],
-                    completion_mask[i : i + chunk],
-                )
-                for i in range(0, rows, chunk)
-            ]
-        )
+    size = rows if chunk is None else chunk
+    starts = list(range(0, rows, size))
+    total = len(starts) if num_forwards is None else num_forwards
+    if total < len(starts):
+        raise ValueError(f"num_forwards={total} is fewer than the {len(starts)} chunks of {rows} rows.")
+    tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logps = [_rows_logps(model, *(t[i : i + size] for t in tensors)) for i in starts]
+    for _ in range(total - len(starts)):
+        _rows_logps(model, *(t[:1] for t in tensors))  # a padding forward: only its collectives matter
+    return torch.cat(logps)
+
+
+def forwards_needed(rows: list[int], chunk: int, accelerator) -> list[int]:
+    """The forwards every process runs for each of its batches (`rows[s]` rows, `chunk` at a time): the largest
+    count over processes, so that ZeRO-3's parameter gathering meets the same number of forwards everywhere."""
+    local = torch.tensor([-(-r // chunk) for r in rows], device=accelerator.device)
+    if accelerator.num_processes == 1:
+        return local.tolist()
+    return accelerator.gather(local[None]).amax(dim=0).tolist()
+
+
+def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.size(1)
@@ -182,10 +199,17 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
         batches = [
             [_pair_tensors(agent, rollout, pairs) for pairs in slots] for agent, rollout in zip(self._team, rollouts)
         ]
+        # Processes hold different numbers of pairs (ties, pair_selection="all"): every one runs the largest count
+        # of no-grad forwards, or ZeRO-3's gathers meet a process that has stopped (DeepSpeed then aborts).
+        chunk = self.args.per_device_train_batch_size
+        forwards = forwards_needed([batch["prompt_ids"].size(0) for batch in batches[0]], chunk, self.accelerator)
         for s in range(len(slots)):
             with torch.no_grad():
                 policy, reference = zip(
-                    *[self._logratios(agent, agent_batches[s]) for agent, agent_batches in zip(self._team, batches)]
+                    *[
+                        self._logratios(agent, agent_batches[s], forwards[s])
+                        for agent, agent_batches in zip(self._team, batches)
+                    ]
                 )
             deltas = torch.stack(policy) - torch.stack(reference)  # (agents, pairs)
             others = others_logratio(deltas)
@@ -194,7 +218,9 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
                 agent_batches[s]["ref_logratio"] = reference[a]
         return batches
 
-    def _logratios(self, agent, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logratios(
+        self, agent, batch: dict[str, torch.Tensor], num_forwards: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Agent's policy log-ratio (chosen over rejected) with the current weights, and the reference's (or 0)."""
         num_pairs = batch["pair_weight"].size(0)
         inputs = (
@@ -202,8 +228,9 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
             batch["prompt_mask"],
             batch["completion_ids"],
             batch["completion_mask"],
-            agent.args.per_device_train_batch_size,
-        )  # no-grad forwards in chunks of a micro-batch's rows
+            self.args.per_device_train_batch_size,
+            num_forwards,
+        )  # no-grad forwards in chunks of a micro-batch's rows, as many on every process
         logps = sequence_logps(agent.model, *inputs)
         policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
         if not self.args.use_reference_model:

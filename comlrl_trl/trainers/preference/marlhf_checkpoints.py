@@ -40,7 +40,7 @@ from ...checkpoint import (
     save_staged,
     stateful_objects,
     tokenizer_fingerprint,
-    verify_checkpoint,
+    verify_checkpoint_once,
     write_metadata,
 )
 from .pairs import load_pairs, save_pairs
@@ -227,7 +227,7 @@ class PreferenceCheckpoints:
 
     def _restore(self, checkpoint: str) -> tuple[str | None, int | None]:
         """Load a checkpoint; returns the RL stage checkpoint to resume (or None) and its global step."""
-        metadata = verify_checkpoint(checkpoint)
+        metadata = verify_checkpoint_once(checkpoint, self.rl_trainer.accelerator)
         check_compatible(metadata["compat"], self._compatibility(), checkpoint)
         state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
         if state["iteration"] >= self.num_iterations:

@@ -148,7 +148,7 @@ class RewardModelScorer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: ZeRO-3's hooks gather and release the weights in place (as TRL scores)
     def score(self, texts: Sequence[str]) -> list[float]:
         scores = []
         encoded = encode_joint_texts(self.tokenizer, texts, self.max_length)

@@ -42,6 +42,7 @@ from ...inputs import (
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
+from ...loading import one_device_loading
 from ...orchestrator import JointRolloutOrchestrator
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
@@ -151,6 +152,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 f"(num_agents={n}) or pass the matching number of agents."
             )
         check_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset)
+        args.model_init_kwargs = one_device_loading(args.model_init_kwargs)  # no "auto" spread over every GPU
         check_datasets(train_dataset, eval_dataset, default_formatters=formatters is None)
         validate_wandb_config(wandb_config)
         tokenizers = resolve_tokenizers(tokenizer, sources)
