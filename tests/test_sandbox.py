@@ -166,18 +166,92 @@ def _nested(depth):
     return value
 
 
-def test_fallback_warns_once_and_still_computes_the_verdict(monkeypatch):
-    monkeypatch.setattr(sandbox, "_DISABLED", [])
-    with pytest.warns(RuntimeWarning, match="no namespace isolation \\(none: unshare failed"):
-        sandbox._disable_isolation("none: unshare failed (Operation not permitted)")
+@pytest.fixture
+def fallback(monkeypatch):
+    """The sandbox as on a system without namespaces (the child is started without isolation)."""
+    monkeypatch.setattr(sandbox, "_DISABLED", ["none: unshare failed (forced by the test)"])
+    monkeypatch.setattr(sandbox, "_WARNED", [])
+    monkeypatch.delenv(sandbox.ALLOW_UNISOLATED_ENV, raising=False)
     assert isolation_mode() == "fallback"
+
+
+def test_fallback_refuses_without_consent_and_says_what_is_lost(fallback, monkeypatch):
+    item = _count_vowels_item()
+    with pytest.raises(sandbox.UnisolatedError) as refused:
+        run_python("def f():\n    return 1\n", ["assert f() == 1"])
+    message = str(refused.value)
+    for lost in ("network", "files", "answer keys", "kill the trainer's processes", "allow_unisolated=True"):
+        assert lost in message
+    assert f"{sandbox.ALLOW_UNISOLATED_ENV}=1" in message
+    with pytest.raises(sandbox.UnisolatedError):  # the code tasks refuse as well
+        task.reward([HELPER], [ATTACKS["always_equal"] + "# refused\n"], batch_items=[item])
+    monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "yes")  # only "1" counts
+    with pytest.raises(sandbox.UnisolatedError):
+        run_python("def f():\n    return 1\n", ["assert f() == 1"])
+
+
+def test_fallback_with_consent_warns_once_and_still_computes_the_verdict(fallback, monkeypatch):
     item = _count_vowels_item()
     code = "import os\ndef home_is_cwd():\n    return os.environ['HOME'] == os.getcwd() != '/tmp'\n"
+    with pytest.warns(RuntimeWarning, match="no namespace isolation \\(none: unshare failed"):
+        assert run_python(code, ["assert home_is_cwd()"], allow_unisolated=True).passed == 1  # a private directory
+    monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
-        sandbox._disable_isolation("another reason")
-        assert run_python(code, ["assert home_is_cwd()"]).passed == 1  # a private working directory
+        assert run_python(code, ["assert home_is_cwd()"]).passed == 1
         assert task.reward([HELPER], [ATTACKS["always_equal"] + "# fallback\n"], batch_items=[item])[0] <= 0.1 + 1e-9
+
+
+SURVIVOR = """
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+def survive():
+    libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+    libc.prctl(15, b"{tag}", 0, 0, 0)  # PR_SET_NAME: findable in /proc
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    if os.fork() == 0:
+        libc.prctl(1, 0, 0, 0, 0)
+        os.setsid()
+        if os.fork() == 0:
+            os.execv('/usr/bin/sleep', ['sleep', '{marker}'])
+        os._exit(0)
+    time.sleep(60)  # the run times out while this call is in progress
+    return 1
+"""
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "fallback"])
+def test_no_process_outlives_a_run_without_a_cgroup(mode, monkeypatch, request):
+    """The first process of the run clears its parent-death signal and leaves its session; so does a grandchild."""
+    if mode == "namespaces" and isolation_mode() != "namespaces":
+        pytest.skip("needs Linux namespaces (root)")
+    if mode == "fallback":
+        request.getfixturevalue("fallback")
+        monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "1")
+        warnings.simplefilter("ignore", RuntimeWarning)
+    monkeypatch.setattr(sandbox.RunCgroup, "create", classmethod(lambda cls, *args: None))
+    tag = f"sbx{secrets.token_hex(5)}"
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(10**6):06d}"
+    result = run_python(SURVIVOR.format(tag=tag, marker=marker), ["assert survive() == 1"], timeout=1.5)
+    assert result.timed_out and result.passed == 0, result.errors
+    deadline = time.monotonic() + 3.0
+    while _live(tag, marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(tag, marker) == []
+
+
+def _live(tag: str, marker: str) -> list[str]:
+    """Processes (not zombies) named `tag` or running `sleep marker`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        text = _read(stat)
+        name, _, rest = text.partition(") ")
+        if rest[:1] != "Z" and (name.endswith("(" + tag) or marker in _read(stat.with_name("cmdline"))):
+            found.append(text[:60])
+    return found
 
 
 # ----- isolation (Linux, root) -----

