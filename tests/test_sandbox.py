@@ -418,3 +418,113 @@ def _read(path: Path) -> str:
         return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+# ----- issue 24: control flow, codec strictness, reply caps, and a red-team pass -----
+
+
+def test_exceptions_from_the_candidate_cannot_steer_the_checkers_control_flow():
+    code = (
+        "def stop(x):\n    raise StopIteration\n"
+        "def stop_async(x):\n    raise StopAsyncIteration\n"
+        "def gen_exit(x):\n    raise GeneratorExit\n"
+        "def sys_exit(x):\n    raise SystemExit(0)\n"
+        "def interrupt(x):\n    raise KeyboardInterrupt\n"
+        "def picky(x):\n    raise ValueError('negative')\n"
+    )
+    tests = [
+        "assert all(map(lambda x: stop(x) == 2 * x, [1, 2]))",  # StopIteration would end map: all([]) is True
+        "assert list(filter(lambda x: stop(x) != 2 * x, [1, 2])) == []",
+        "assert list(map(stop_async, [1])) == []",
+        "assert list(map(gen_exit, [1])) == []",
+        "assert sys_exit(1) is None",
+        "assert interrupt(1) is None",
+        "try:\n    picky(1)\nexcept ValueError as error:\n    assert isinstance(error, CandidateError)\n"
+        "    assert str(error) == 'negative'",
+        "try:\n    stop(1)\nexcept CandidateError as error:\n    assert not isinstance(error, StopIteration)",
+    ]
+    setup = "from comlrl_trl.tasks.sandbox import CandidateError"
+    result = run_python(code, tests, setup=setup)
+    assert result.test_passed == [False] * 6 + [True, True], result.errors
+    assert "CandidateError: StopIteration" in result.errors[0]
+
+
+@pytest.mark.parametrize("base", [int, float, str, bytes, list, tuple, dict, set, frozenset])
+def test_codec_refuses_subclasses_of_every_accepted_type(base):
+    value = type("Sub", (base,), {})()
+    with pytest.raises(TypeError, match="cannot cross"):
+        codec.encode(value)
+    with pytest.raises(TypeError, match="cannot cross"):
+        codec.encode([1, {"key": (value,)}])  # nested as well
+
+
+def test_codec_decoding_is_bounded_in_time_and_by_hash_collisions():
+    colliding = codec.encode({k * (2**61 - 1) for k in range(codec.MAX_EQUAL_HASHES + 1)})  # all hash to 0
+    with pytest.raises(ValueError, match="with one hash"):
+        codec.decode(colliding)
+    fine = codec.encode({k * (2**61 - 1) for k in range(codec.MAX_EQUAL_HASHES)} | set(range(1, 200)))
+    assert len(codec.decode(fine)) == codec.MAX_EQUAL_HASHES + 199
+    many = codec.encode([[i] for i in range(20000)])
+    assert len(codec.decode(many)) == 20000
+    with pytest.raises(ValueError, match="too long to decode"):
+        codec.decode(many, max_seconds=0.0)
+
+
+def test_oversized_and_slow_replies_fail_only_their_test_and_fast():
+    code = (
+        "import os, json\n"
+        "def big():\n    return 'x' * (2 << 20)\n"
+        "def colliding():\n    return {k * (2**61 - 1) for k in range(4000)}\n"
+        "def raw(size):\n"  # a frame written straight to the checker's pipe, larger than any reply may be
+        "    body = json.dumps({'value': ['S', 'y' * size]}).encode()\n"
+        "    for fd in range(3, 20):\n"
+        "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+        "        except OSError:\n            pass\n"
+        "    return 0\n"
+        "def fine(x):\n    return x\n"
+    )
+    started = time.monotonic()
+    result = run_python(
+        code,
+        ["big()", "colliding()", "raw(3_500_000)", "assert fine(4) == 4"],
+        timeout=6.0,
+    )
+    assert result.test_passed == [False, False, False, True], result.errors
+    assert "exceeds" in result.errors[0] and "one hash" in result.errors[1]
+    assert time.monotonic() - started < 4.0
+
+
+def test_big_plain_globals_do_not_break_loading():
+    code = "TABLE = list(range(300_000))\nSMALL = 3\ndef f():\n    return SMALL\n"
+    result = run_python(code, ["assert f() == 3", "assert SMALL == 3"])
+    assert result.passed == 2, result.errors
+
+
+def test_error_messages_are_printable_single_lines():
+    code = "def f():\n    raise ValueError('a\\nb\\ud800\\x00' + 'z' * 500)\n"
+    result = run_python(code, ["f()", "for i in range(2):\n    assert f() == i"])
+    assert result.passed == 0 and len(result.errors) == 2
+    for error in result.errors:
+        error.encode("utf-8")
+        assert error.isprintable() and len(error) <= sandbox.MAX_ERROR_CHARS
+    assert "a\\nb\\ud800\\x00zz" in result.errors[0]
+
+
+@ISOLATED
+def test_the_reaper_cannot_be_stopped_from_inside():
+    code = """
+import os, signal
+def attack():
+    outcomes = []
+    for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
+        try:
+            os.kill(1, sig)
+            outcomes.append('sent')
+        except PermissionError:
+            outcomes.append('refused')
+    return outcomes
+def alive():
+    return os.getppid()
+"""
+    result = run_python(code, ["assert attack() == ['refused'] * 3", "assert alive() == 1"])
+    assert result.passed == 2, result.errors

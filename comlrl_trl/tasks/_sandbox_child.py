@@ -370,10 +370,11 @@ def load(code: str) -> tuple[dict, dict]:
         else:
             try:
                 encoded = codec.encode(value)
-                room -= len(json.dumps(encoded)) + len(name) + 8
+                size = len(json.dumps(encoded)) + len(name) + 8
             except (TypeError, ValueError):
                 continue  # modules and other objects stay in the child
-            if room >= 0:
+            if size <= room:
+                room -= size
                 report["values"][name] = encoded
     return namespace, report
 
