@@ -351,6 +351,11 @@ BONUS_CASES = {
     "aux as a loop variable": ("for aux in [len]:\n    pass\ndef f(s):\n    return aux(s)", 0.1),
     "aux bound through globals()": ("def f(s):\n    return aux(s)\nglobals()['aux'] = len", 0.1),
     "aux bound through global": ("def g():\n    global aux\n    aux = len\ndef f(s):\n    return aux(s)", 0.1),
+    "aux bound through exec of a built string": ("def f(s):\n    return aux(s)\nexec('a' + 'ux = len')", 0.1),
+    "aux bound through setattr": (
+        "import sys\nsetattr(sys.modules[__name__], 'a' + 'ux', len)\ndef f(s):\n    return aux(s)",
+        0.1,
+    ),
     "aux bound in builtins": ("import builtins\nbuiltins.aux = len\ndef f(s):\n    return aux(s)", 0.1),
     "aux bound under if at top level": ("if True:\n    aux = len\ndef f(s):\n    return aux(s)", 0.1),
     "local aux": ("def f(s):\n    aux = len\n    return aux(s)", 0.1),

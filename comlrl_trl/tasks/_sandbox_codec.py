@@ -5,7 +5,9 @@ and list, tuple, dict, set, frozenset of them, nested at most `MAX_DEPTH` deep, 
 set elements and dict keys in all. Each value becomes a JSON list whose first element is a one-letter tag, e.g.
 `(1, "a")` -> `["T", [["I", "1"], ["S", "a"]]]`. `decode` accepts nothing else, so whatever the untrusted side
 writes, the trusted side gets back plain Python data or a `ValueError`, never an object with methods of the
-sender's choosing.
+sender's choosing. Decoding is bounded: replies of at most `MAX_REPLY_BYTES`, `MAX_DECODE_SECONDS` of work, and
+sets and dicts whose keys do not collide in their hashes (a crafted set of equal hashes would take quadratic time
+to build).
 
 This module is shared by the trusted checker (`sandbox.py`) and the untrusted child (`_sandbox_child.py`, which
 loads it by path), so it uses only the standard library and no package-relative imports.

@@ -88,7 +88,7 @@ def structure_bonus(main_code: str, entry_point: str) -> float:
     more if that function reachably calls the teammate's `aux`: the call is not in code that cannot run (`if
     False:`, after `return`, a loop over `[]`, an unused nested function, ...), `aux` is not a local name of the
     function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, `global`, or
-    the name as a string, e.g. `globals()["aux"] = ...`)."""
+    the name in a string, or `exec`, `globals`, `setattr`, ...)."""
     try:
         tree = ast.parse(main_code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -141,10 +141,17 @@ def _top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
     return bindings
 
 
+# Built-ins through which code binds global names it does not spell out (`exec("a" + "ux = len")`).
+_DYNAMIC_BINDERS = frozenset({"exec", "eval", "compile", "globals", "vars", "setattr", "__import__", "__builtins__"})
+
+
 def _binds_by_other_means(tree: ast.Module, name: str) -> bool:
     """Whether the code may bind `name` globally other than by a top-level statement: `global name` in a function,
-    an attribute of that name assigned (`builtins.aux = ...`), or the name as a string (`globals()["aux"]`)."""
+    an attribute of that name assigned (`builtins.aux = ...`), the name in a string (`globals()["aux"]`), or any
+    use of `exec`, `eval`, `globals`, `setattr`, ... (which can bind a name built at run time)."""
     for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _DYNAMIC_BINDERS:
+            return True
         if isinstance(node, ast.Global) and name in node.names:
             return True
         if isinstance(node, ast.Attribute) and node.attr == name and not isinstance(node.ctx, ast.Load):

@@ -191,7 +191,7 @@ def _split_body(
     groups: list[dict] = []  # {"start": first index, "writes": names}
     touched: set[str] = set()  # names read or written by statements that stay in place (in or before tests)
     for index, (statement, (reads, writes, _)) in enumerate(zip(body, names)):
-        has_assert = any(isinstance(node, ast.Assert) for node in ast.walk(statement))
+        has_assert = _runs_an_assert(statement)
         if reads & tainted or (has_assert and reads - safe):
             tainted |= writes
             touched |= reads | writes
@@ -242,6 +242,22 @@ def _names(statement: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], 
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             writes |= _base_names(node.func.value) - modules
     return reads, writes, dynamic
+
+
+def _runs_an_assert(statement: ast.stmt) -> bool:
+    """Whether executing `statement` runs an `assert` itself (not one inside a function it only defines)."""
+    if isinstance(statement, ast.Assert):
+        return True
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    return any(
+        _runs_an_assert(child) for child in ast.iter_child_nodes(statement) if isinstance(child, ast.stmt)
+    ) or any(
+        _runs_an_assert(inner)
+        for child in ast.iter_child_nodes(statement)
+        if isinstance(child, (ast.ExceptHandler, ast.match_case))
+        for inner in child.body
+    )
 
 
 def _base_names(node: ast.expr) -> set[str]:

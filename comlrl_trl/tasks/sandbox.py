@@ -8,10 +8,13 @@
   str, bytes, and lists, tuples, dicts, sets, frozensets of them; exact types only; anything else fails that
   test). So the comparison `==`, `bool`, the `assert` and the pass/fail bookkeeping all run on values the
   checker built itself: no `__eq__`/`__bool__` object, no patched builtin or module, no forged report and no
-  early exit can turn a wrong answer into a passed test. The child never sees the tests or the expected values;
-  what it writes is at most a wrong answer. Tests and setup are trusted code (they run in this process); a
-  returned value is bounded (4 MiB per message, ints of at most 4300 digits, 5000 set elements and dict keys),
-  but keep the tests' own work on it cheap.
+  early exit can turn a wrong answer into a passed test. An exception the candidate raises arrives as a
+  `CandidateError` (never as `StopIteration` or another exception that ends a loop of the checker early), and a
+  test passes only when its code ran to its end. The child never sees the tests or the expected values; what it
+  writes is at most a wrong answer. Tests and setup are trusted code (they run in this process); a returned value
+  is bounded (1 MiB per reply, decoded in at most 0.25 s, ints of at most 4300 digits, 5000 set elements and dict
+  keys, at most 32 of them sharing a hash), but keep the tests' own work on it cheap. Error messages are single
+  printable lines (`printable`), safe to put into a prompt.
 * **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls.
 
 Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
@@ -25,19 +28,26 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
   run (random in 1,000,000-1,999,999 where the user namespace maps them, else 65534; no capabilities,
   `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and a few devices, with
   every package directory of this interpreter (sys.path, site-packages) emptied, a fresh /proc that shows only
-  its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no network at all (only a down loopback device), no view of the
-  trainer's processes, environment or files (the repository, its tests and the datasets are not in the tree),
-  nothing writable outside /tmp, and when the run ends every process of it dies with PID 1 of its namespace.
-  Where a cgroup is writable (v1 memory + pids controllers, or v2 with both delegated), memory (`memory_mb`)
-  and the number of processes (`MAX_PROCESSES`) are limited for the whole process tree; otherwise each process
-  is limited to `memory_mb` of address space and the run's uid to `MAX_PROCESSES` processes, so the tree stays
-  under `MAX_PROCESSES * memory_mb` (a warning says so once).
-* Fallback (not root, no namespaces, non-Linux POSIX): a warning says so once; the child runs as the trainer's
-  user in a temporary working directory with an empty environment and per-process limits (address space, CPU
-  time, file size, open files), and Python-level sockets are disabled. The verdict is still computed by the
+  its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no
+  network at all (only a down loopback device), no view of the trainer's processes, environment or files (the
+  repository, its tests and the datasets are not in the tree), nothing writable outside /tmp. PID 1 of the
+  namespace is a trusted reaper (root, runs no candidate code, cannot be signalled by it); when the run ends it
+  exits and the kernel kills every process of the namespace, whatever they did to their parent-death signal,
+  session or process group, with or without a cgroup. Where a cgroup is writable (v1 memory + pids
+  controllers, or v2 with both delegated), memory (`memory_mb`) and the number of processes (`MAX_PROCESSES`)
+  are limited for the whole process tree; otherwise each process is limited to `memory_mb` of address space and
+  the run's uid to `MAX_PROCESSES` processes, so the tree stays under `MAX_PROCESSES * memory_mb` (a warning
+  says so once).
+* Fallback (not root, no namespaces, non-Linux POSIX): `run_python` refuses (`UnisolatedError`) unless the caller
+  passes `allow_unisolated=True` or sets `COMLRL_SANDBOX_ALLOW_UNISOLATED=1`; then a warning says so once. The
+  child runs as the trainer's user in a temporary working directory with an empty environment and per-process
+  limits (address space, CPU time, file size, open files), and Python-level sockets are disabled; a reaper (a
+  child subreaper on Linux) kills every process the run left when it ends. The verdict is still computed by the
   checker (the reward cannot be faked from inside), but the candidate code can read and write what the
-  trainer's user can, reach the network through `subprocess` or `ctypes`, and leave processes behind (unless a
-  writable cgroup holds the run: then they are killed, and memory is limited for the tree, as above).
+  trainer's user can (answer keys of installed data sets included, so it can score without solving), reach the
+  network through `subprocess` or `ctypes`, signal or kill the trainer's processes, and kill the reaper first to
+  leave processes behind (unless a writable cgroup holds the run: then they are killed, and memory is limited
+  for the tree, as above).
 * Not covered anywhere: kernel exploits, CPU side channels (Spectre-style reads of the trainer's memory), timing
   and covert channels between concurrent runs, denial of service through the shared page cache or CPU, and
   mutation of arguments: the candidate works on copies, so a test that checks how a function changes its
