@@ -321,13 +321,17 @@ def _candidate_exception(name: str, message: str) -> CandidateError:
     return CandidateError(f"{name}: {message}" if message else name)
 
 
-@functools.cache
 def _candidate_error_type(name: str) -> type[CandidateError]:
     kind = getattr(builtins, name, None) if name.isidentifier() else None
     if not isinstance(kind, type) or not issubclass(kind, Exception) or issubclass(kind, CONTROL_FLOW_EXCEPTIONS):
         return CandidateError
+    return _as_candidate_error(kind)
+
+
+@functools.cache  # one class per built-in exception type (so `except` sees the same class every time)
+def _as_candidate_error(kind: type[Exception]) -> type[CandidateError]:
     try:
-        return type(name, (CandidateError, kind), {"__module__": __name__})
+        return type(kind.__name__, (CandidateError, kind), {"__module__": __name__})
     except TypeError:  # a built-in type that cannot be subclassed
         return CandidateError
 
