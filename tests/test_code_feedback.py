@@ -364,6 +364,11 @@ BONUS_CASES = {
     "another function name": ("def g(s):\n    return aux(s)", 0.0),
     "entry point as a prefix": ("def ff(s):\n    return aux(s)", 0.0),
     "entry point redefined without aux": ("def f(s):\n    return aux(s)\ndef f(s):\n    return 2", 0.1),
+    "entry point defined only under if False": ("if False:\n    def f(s):\n        return aux(s)", 0.0),
+    "entry point's code replaced": (
+        "def f(s):\n    return aux(s)\ndef g(s):\n    return 2\nf.__code__ = g.__code__",
+        0.1,
+    ),
     "entry point rebound to a non-function": ("def f(s):\n    return aux(s)\nf = len", 0.0),
 }
 

@@ -84,7 +84,7 @@ def joint_program(*parts: str) -> str:
 
 
 def structure_bonus(main_code: str, entry_point: str) -> float:
-    """+0.1 if `main_code` defines `entry_point` (its last top-level binding of that exact name is a `def`), +0.1
+    """+0.1 if `main_code` defines `entry_point` (its last binding of that exact name is a top-level `def`), +0.1
     more if that function reachably calls the teammate's `aux`: the call is not in code that cannot run (`if
     False:`, after `return`, a loop over `[]`, an unused nested function, ...), `aux` is not a local name of the
     function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, `global`, or
@@ -95,10 +95,14 @@ def structure_bonus(main_code: str, entry_point: str) -> float:
         return 0.0
     bindings = _top_level_bindings(tree)
     entry = bindings.get(entry_point)
-    if not isinstance(entry, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return 0.0
+    if not isinstance(entry, (ast.FunctionDef, ast.AsyncFunctionDef)) or entry not in tree.body:
+        return 0.0  # not defined by a `def` at the top level (e.g. one under `if False:`), or re-bound later
     try:
-        calls_helper = HELPER_NAME not in _local_names(entry) and _function_calls(entry, HELPER_NAME)
+        calls_helper = (
+            HELPER_NAME not in _local_names(entry)
+            and not _changes_attributes_of(tree, entry_point)  # e.g. its __code__ replaced
+            and _function_calls(entry, HELPER_NAME)
+        )
     except RecursionError:
         calls_helper = False
     defines_helper = HELPER_NAME in bindings or _binds_by_other_means(tree, HELPER_NAME)
@@ -159,6 +163,17 @@ def _binds_by_other_means(tree: ast.Module, name: str) -> bool:
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and name in node.value:
             return True
     return False
+
+
+def _changes_attributes_of(tree: ast.Module, name: str) -> bool:
+    """Whether the code assigns or deletes an attribute of `name` (`f.__code__ = g.__code__`)."""
+    return any(
+        isinstance(node, ast.Attribute)
+        and not isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+        for node in ast.walk(tree)
+    )
 
 
 def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
