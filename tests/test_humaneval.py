@@ -263,6 +263,17 @@ def _split(item):
             ["assert candidate(x) == 1", "x = 3\nassert candidate(x) == 9"],
             0,
         ),
+        # a merge keeps the names of every test it swallows: the last assert joins them all
+        (
+            "a = candidate(1)\nb = candidate(2)\nassert a == 1\nassert b == 4",
+            ["a = candidate(1)\nb = candidate(2)\nassert a == 1\nassert b == 4"],
+            0,
+        ),
+        (
+            "a = candidate(1)\nb = candidate(3)\nassert a + 1 == 2\nc = candidate(0)\nassert b == 9",
+            ["a = candidate(1)\nb = candidate(3)\nassert a + 1 == 2\nc = candidate(0)\nassert b == 9"],
+            0,
+        ),
         # dynamic names: the data flow cannot be read, so the whole check is one test
         (
             "globals()['r'] = candidate(3)\nassert r == 9\nassert candidate(0) == 0",

@@ -201,6 +201,8 @@ def _split_body(
                 groups.append({"start": start, "writes": set(writes)})
                 first = len(groups) - 1
             else:  # it reads what an earlier test assigned: one test from there to here
+                for later in groups[first + 1 :]:
+                    groups[first]["writes"] |= later["writes"]
                 groups[first + 1 :] = []
                 groups[first]["writes"] |= writes
             start = groups[first]["start"]
