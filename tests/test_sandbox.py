@@ -5,6 +5,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -512,20 +513,54 @@ def test_error_messages_are_printable_single_lines():
 
 
 @ISOLATED
-def test_the_reaper_cannot_be_stopped_from_inside():
+def test_the_process_that_ends_the_run_is_out_of_reach():
+    """The candidate runs as PID 1 of its namespace; the process that kills it at the end of the run is outside
+    (parent pid 0), and a kill of every process the code may signal reaches neither it nor the checker."""
     code = """
 import os, signal
 def attack():
-    outcomes = []
-    for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
-        try:
-            os.kill(1, sig)
-            outcomes.append('sent')
-        except PermissionError:
-            outcomes.append('refused')
-    return outcomes
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
+    return [os.getpid(), os.getppid(), sorted(int(name) for name in os.listdir('/proc') if name.isdigit())]
 def alive():
-    return os.getppid()
+    return 'yes'
 """
-    result = run_python(code, ["assert attack() == ['refused'] * 3", "assert alive() == 1"])
+    result = run_python(code, ["assert attack() == [1, 0, [1]]", "assert alive() == 'yes'"])
     assert result.passed == 2, result.errors
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "fallback"])
+def test_no_process_outlives_a_checker_that_dies_mid_run(mode):
+    """The trainer is killed while a run's processes (which cleared their parent-death signals) are alive."""
+    if mode == "namespaces" and isolation_mode() != "namespaces":
+        pytest.skip("needs Linux namespaces (root)")
+    tag = f"sbx{secrets.token_hex(5)}"
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(10**6):06d}"
+    script = f"""
+import os, sys, warnings
+sys.path.insert(0, {str(Path(sandbox.__file__).parents[2])!r})
+warnings.simplefilter("ignore")
+from comlrl_trl.tasks import sandbox
+if {mode!r} == "fallback":
+    sandbox._DISABLED.append("none: forced by the test")
+    os.environ[sandbox.ALLOW_UNISOLATED_ENV] = "1"
+sandbox.RunCgroup.create = classmethod(lambda cls, *args: None)
+sandbox.run_python({SURVIVOR.format(tag=tag, marker=marker)!r}, ["survive()"], timeout=60)
+"""
+    checker = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE)  # no marker in its command line
+    checker.stdin.write(script.encode())
+    checker.stdin.close()
+    try:
+        deadline = time.monotonic() + 20.0
+        while len(_live(tag, marker)) < 2 and time.monotonic() < deadline:  # the first process and the sleeper
+            time.sleep(0.05)
+        assert len(_live(tag, marker)) == 2
+    finally:
+        checker.kill()
+        checker.wait()
+    deadline = time.monotonic() + 3.0
+    while _live(tag, marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(tag, marker) == []

@@ -5,19 +5,19 @@ requests on fd 0, replies on fd 1 (length-prefixed JSON, see `_sandbox_codec`) a
 reads any candidate code it:
 
 1. joins the run's cgroups, when the checker made them (memory and process count of the whole process tree);
-2. with `isolate`: enters new mount, PID, network, IPC and UTS namespaces and forks. The first process only waits
-   and relays the exit status; the second is PID 1 of the new PID namespace and gets the parent-death signal
-   SIGKILL. It builds a new root: a read-only tmpfs holding read-only, nosuid bind mounts of /usr (with the /bin,
-   /lib, ... links), the Python standard library and a few devices, with empty directories over every
-   site-packages in it (installed packages and their data are not needed: the child runs with -S), a fresh /proc,
-   and a small writable tmpfs on /tmp, its working directory. It chroots there and forks once more (`reaper`): PID
-   1 stays root, runs no candidate code and only reaps; when the server it forked exits, or the first process
-   dies, PID 1 exits and the kernel kills every process of the namespace, whatever they did to their parent-death
-   signal, session or process group. The server sets the resource limits and drops to the run's unprivileged
-   uid, without supplementary groups and with `no_new_privs`;
-3. without `isolate`, or where the kernel refuses a new namespace (the fallback): forks a `reaper` that is a child
-   subreaper (on Linux: orphans of the run are re-parented to it, not to init) and, when the server exits or the
-   checker sends SIGTERM, kills every process below it; the server sets the resource limits and disables
+2. with `isolate`: enters a new PID namespace and forks; PID 1 enters new mount, network, IPC and UTS namespaces. The first process stays
+   outside the namespaces, runs no candidate code, waits and relays the exit status; on SIGTERM (the checker's
+   way to end the run, also its parent-death signal) it SIGKILLs PID 1, and the kernel kills every process of the
+   namespace with it, whatever they did to their parent-death signal, session or process group. The second is
+   PID 1 of the new PID namespace and gets the parent-death signal SIGKILL. It builds a new root: a read-only
+   tmpfs holding read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard
+   library and a few devices, with empty directories over every site-packages in it (installed packages and
+   their data are not needed: the child runs with -S), a fresh /proc, and a small writable tmpfs on /tmp, its
+   working directory. It chroots there, sets the resource limits and drops to the run's unprivileged uid, without
+   supplementary groups and with `no_new_privs`;
+3. without `isolate`, or where the kernel refuses a new namespace (the fallback): forks; the first process is a
+   `reaper`, a child subreaper on Linux (orphans of the run are re-parented to it, not to init) that kills every
+   process below it when the server exits or SIGTERM arrives; the server sets the resource limits and disables
    Python-level sockets only. (The candidate code runs as the same user there, so it can kill the reaper first:
    the fallback is not a security boundary, see `sandbox.py`.)
 
@@ -87,22 +87,39 @@ def _bind_readonly(source: str, target: str, flags: int = MS_NOSUID | MS_NODEV) 
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
 
 
-def enter_namespaces() -> None:
-    """Unshare and fork. Returns in PID 1 of the new namespace, which dies with its parent; the first process never
-    returns: it waits for PID 1 and exits with its status."""
-    _libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+def enter_namespaces() -> int:
+    """Unshare and fork. Returns (in PID 1 of the new namespace) the read end of a pipe that closes with the parent.
+
+    The first process never returns and runs no candidate code: it waits for PID 1 and exits with its status; on
+    SIGTERM (from the checker, or as its parent-death signal when the checker dies) it SIGKILLs PID 1, which makes
+    the kernel kill every process of the namespace. PID 1 runs the candidate code
+    and may clear its own parent-death signal or leave its session, but it cannot block a SIGKILL from its parent
+    namespace, nor signal its parent (another namespace, another uid)."""
+    _libc_call("unshare", CLONE_NEWPID)  # for the children; PID 1 makes the other namespaces (`private_namespaces`)
     lifeline, keep = os.pipe()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler below knows PID 1
     pid = os.fork()
     if pid:
+
+        def end_run(*_):
+            os.kill(pid, signal.SIGKILL)  # cannot be blocked; the namespace's teardown goes on without waiting here
+            os._exit(1)
+
+        signal.signal(signal.SIGTERM, end_run)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         for fd in (0, 1, lifeline):  # the checker sees EOF as soon as PID 1 is gone
             os.close(fd)
         _, status = os.waitpid(pid, 0)
         os._exit(_exit_code(status))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.close(keep)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # PID 1 keeps uid 0, so this stays set
-    if select.select([lifeline], [], [], 0)[0]:  # the first process died before the line above
-        os._exit(1)
-    os.close(lifeline)
+    return lifeline
+
+
+def private_namespaces() -> None:
+    """New mount, network, IPC and UTS namespaces for PID 1 (and so the whole run). Made here, not by the first
+    process, so that the first process holds none of them: its exit never waits for their teardown."""
+    _libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
 
 
 def _exit_code(status: int) -> int:
@@ -110,15 +127,15 @@ def _exit_code(status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def reaper(in_namespace: bool) -> None:
-    """Fork the server: it returns from here (and goes on to serve the checker); this process never returns.
+def reaper() -> None:
+    """The fallback's reaper. Forks the server: it returns from here (and goes on to serve the checker); this
+    process never returns.
 
-    This process runs no candidate code. It reaps its children and, when the server exits or the checker sends
-    SIGTERM, ends the run: in a PID namespace (where it is PID 1) by exiting, which makes the kernel kill every
-    process of the namespace; in the fallback by killing every process re-parented to it (it is a child
-    subreaper), and exits with the server's status.
+    This process runs no candidate code. It is a child subreaper (on Linux), so every process the run leaves is
+    re-parented to it, not to init; when the server exits or SIGTERM arrives (from the checker, or as the
+    parent-death signal when the checker dies) it kills all of them and exits with the server's status.
     """
-    if not in_namespace and sys.platform.startswith("linux"):  # orphans of the run come here, not to init
+    if sys.platform.startswith("linux"):  # orphans of the run come here, not to init
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
     parent = os.getpid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until this process knows the server's pid
@@ -132,8 +149,7 @@ def reaper(in_namespace: bool) -> None:
         return
 
     def finish(status):
-        if not in_namespace:
-            kill_descendants(server)
+        kill_descendants(server)
         os._exit(1 if status is None else _exit_code(status))
 
     signal.signal(signal.SIGTERM, lambda *_: finish(None))
@@ -256,14 +272,13 @@ def set_limits(config: dict, processes: bool) -> None:
         resource.setrlimit(kind, (value, value))
 
 
-def drop_privileges(uid: int) -> None:
-    parent = os.getppid()
+def drop_privileges(uid: int, lifeline: int) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after the uid change, which clears it
-    if os.getppid() != parent:  # the reaper died before the line above
+    if select.select([lifeline], [], [], 0)[0]:  # the first process died before the line above
         os._exit(1)
 
 
@@ -294,26 +309,30 @@ def block_network() -> None:
 
 def isolate(config: dict) -> str:
     """Apply the isolation of the module docstring; returns how this process is isolated."""
+    if sys.platform.startswith("linux"):  # the run ends (see enter_namespaces and reaper) if the checker dies
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != config["checker"]:
+            os._exit(1)
     for path in config["cgroups"]:
         with open(path, "w") as handle:
             handle.write(str(os.getpid()))
     if config["isolate"]:
         try:
-            enter_namespaces()
+            lifeline = enter_namespaces()
         except OSError as error:  # no namespaces on this system (or not allowed here): the fallback
             reason = f"unshare failed ({error.strerror})"
         else:
             try:
+                private_namespaces()
                 build_root(config["root"], config["uid"], config["tmp_bytes"], config["hidden"])
-                reaper(in_namespace=True)
                 set_limits(config, processes=True)
-                drop_privileges(config["uid"])
+                drop_privileges(config["uid"], lifeline)
             except OSError as error:
                 return f"failed: {error}"
             return "namespaces"
     else:
         reason = "disabled"
-    reaper(in_namespace=False)
+    reaper()
     set_limits(config, processes=False)
     block_network()
     return "none: " + reason

@@ -30,10 +30,10 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
   every package directory of this interpreter (sys.path, site-packages) emptied, a fresh /proc that shows only
   its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no
   network at all (only a down loopback device), no view of the trainer's processes, environment or files (the
-  repository, its tests and the datasets are not in the tree), nothing writable outside /tmp. PID 1 of the
-  namespace is a trusted reaper (root, runs no candidate code, cannot be signalled by it); when the run ends it
-  exits and the kernel kills every process of the namespace, whatever they did to their parent-death signal,
-  session or process group, with or without a cgroup. Where a cgroup is writable (v1 memory + pids
+  repository, its tests and the datasets are not in the tree), nothing writable outside /tmp. When the run ends
+  (or the checker dies), a trusted process outside the namespace (it runs no candidate code, which cannot signal
+  it) SIGKILLs PID 1 of the namespace, and the kernel kills every process in it, whatever they did to their
+  parent-death signal, session or process group, with or without a cgroup. Where a cgroup is writable (v1 memory + pids
   controllers, or v2 with both delegated), memory (`memory_mb`) and the number of processes (`MAX_PROCESSES`)
   are limited for the whole process tree; otherwise each process is limited to `memory_mb` of address space and
   the run's uid to `MAX_PROCESSES` processes, so the tree stays under `MAX_PROCESSES * memory_mb` (a warning
@@ -83,9 +83,9 @@ MAX_ERRORS = 5  # error messages kept per run
 MAX_ERROR_CHARS = 200  # each error message is truncated to this length
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # RLIMIT_FSIZE: the most the child may write to any file
 MAX_OPEN_FILES = 32
-MAX_PROCESSES = 8  # processes (and threads) per run, the child included (the trusted reaper is not counted)
+MAX_PROCESSES = 8  # processes (and threads) per run, the child included
 MAX_TMP_MB = 64  # the private /tmp holds at most min(memory_mb, this)
-REAPER_SECONDS = 3.0  # how long the checker waits for the child's reaper to end a run's processes
+REAPER_SECONDS = 3.0  # how long the checker waits for the child's first process to end a run's processes
 ALLOW_UNISOLATED_ENV = "COMLRL_SANDBOX_ALLOW_UNISOLATED"  # "1": run unisolated where isolation is impossible
 CONTROL_FLOW_EXCEPTIONS = (StopIteration, StopAsyncIteration)  # end a loop early instead of failing a test
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
@@ -371,7 +371,7 @@ class _Session:
         self.allow_unisolated = allow_unisolated
         self.deadline = time.monotonic() + timeout
         self.child: _Child | None = None
-        self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES + 1)  # + the reaper
+        self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
         self.work: tempfile.TemporaryDirectory | None = None  # the fallback's working directory
 
     def __enter__(self) -> "_Session":
@@ -442,6 +442,7 @@ class _Session:
             self.work = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
         work = "/" if isolate else self.work.name
         return {
+            "checker": os.getpid(),
             "isolate": isolate,
             "uid": _run_uid(),
             "root": _mount_point(),
@@ -531,15 +532,13 @@ class _Child:
         return codec.parse(self._read(size))
 
     def stop(self) -> None:
-        """End the run's processes: SIGTERM makes the child's reaper kill them all (see `_sandbox_child.reaper`);
-        then SIGKILL for the process group, in case the reaper is gone or stuck."""
+        """End the run's processes: on SIGTERM the child's first process kills them all (it SIGKILLs PID 1 of the
+        namespace, or is the fallback's reaper, see `_sandbox_child`); then SIGKILL for the process group, in case
+        it is gone or stuck."""
+        self.process.send_signal(signal.SIGTERM)
+        _wait_for_exit(self.process, REAPER_SECONDS)
         for pipe in (self.process.stdin, self.process.stdout):
             pipe.close()
-        try:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=REAPER_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -577,6 +576,30 @@ class _Child:
         self.stderr.seek(0)
         last = self.stderr.read()[-2000:].decode("utf-8", errors="replace").strip().splitlines()[-1:]
         return f"Crash: the program exited (code {code})" + (f": {last[0]}" if last else "")
+
+
+def _wait_for_exit(process: subprocess.Popen, seconds: float) -> bool:
+    """Wait until `process` exits, at most `seconds`; whether it did. (`Popen.wait(timeout)` polls in steps of up
+    to 50 ms, a noticeable share of a run; a pidfd wakes up at once, the polling below within 5 ms.)"""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux 5.3+, or already gone
+        pidfd = None
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(seconds * 1000)
+        finally:
+            os.close(pidfd)
+        return process.poll() is not None
+    deadline, pause = time.monotonic() + seconds, 0.0002
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.005)
+    return True
 
 
 # ----- isolation state -----
