@@ -17,12 +17,14 @@ metrics are used on the given data (which then needs the task's columns, e.g. Hu
 
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets.exceptions import DatasetGenerationError
 
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -75,11 +77,58 @@ def _load(name: str, config: str | None) -> DatasetDict:
         loaded = load_from_disk(name)
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
     extension = os.path.splitext(name)[1].lower()
-    if os.path.isfile(name):
-        if extension not in FILE_BUILDERS:
-            raise ValueError(f"--dataset_name {name!r}: local files must be one of {sorted(FILE_BUILDERS)}.")
-        return load_dataset(FILE_BUILDERS[extension], data_files=name)  # one split: "train"
-    return load_dataset(name, config)  # a hub id, or a directory of data files
+    try:
+        if os.path.isfile(name):
+            if extension not in FILE_BUILDERS:
+                raise ValueError(f"--dataset_name {name!r}: local files must be one of {sorted(FILE_BUILDERS)}.")
+            return load_dataset(FILE_BUILDERS[extension], data_files=name)  # one split: "train"
+        return load_dataset(name, config)  # a hub id, or a directory of data files
+    except (DatasetGenerationError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        files = [name] if os.path.isfile(name) else _json_files(name)
+        for path in files:
+            bad = first_bad_json_line(path)
+            if bad is not None:
+                number, reason, text = bad
+                raise ValueError(
+                    f"--dataset_name {name!r}: line {number} of {path} is not a JSON object ({reason}): "
+                    f"{text[:120]!r}. Each line of a JSON Lines file must hold one JSON object; fix or remove that "
+                    "line."
+                ) from error
+        raise
+
+
+def _json_files(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(
+        os.path.join(root, file)
+        for root, _, files in os.walk(directory)
+        for file in files
+        if os.path.splitext(file)[1].lower() in (".json", ".jsonl")
+    )
+
+
+def first_bad_json_line(path: str) -> tuple[int, str, str] | None:
+    """`(line number, reason, line)` of the first non-blank line of a JSON Lines file that is not a JSON object;
+    None when every line is one (or when the whole file is a single JSON document, as a `.json` file may be)."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        text = handle.read()
+    if os.path.splitext(path)[1].lower() == ".json":
+        try:
+            json.loads(text)
+            return None
+        except ValueError:
+            pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as error:
+            return number, f"{error.msg} at column {error.colno}" if hasattr(error, "msg") else str(error), line
+        if not isinstance(value, dict):
+            return number, f"a JSON {type(value).__name__}, not an object", line
+    return None
 
 
 def load_reward_func(target: str):

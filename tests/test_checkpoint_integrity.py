@@ -1,7 +1,9 @@
 """Checkpoint integrity: one live run per directory, a verified manifest, settings that must not change on resume,
 a writable directory checked up front, and a full disk that leaves no partial checkpoint."""
 
+import enum
 import errno
+import json
 import os
 import shutil
 
@@ -286,3 +288,106 @@ def test_hashing_on_threads_gives_the_digests_of_one_thread(tmp_path):
     assert list(manifest) == sorted(contents)
     for relative, data in contents.items():
         assert manifest[relative] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# Every setting a resume must keep, written out here (not read from checkpoint.RESULT_SETTINGS), so that one left
+# out of the comparison fails its own case (`discount` once was). RESULT_SETTINGS also lists `warmup_ratio`, which
+# the installed transformers no longer has (warmup_steps takes a fraction there).
+COMPARED_SETTINGS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "max_grad_norm",
+    "seed",
+    "shuffle_dataset",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "num_iterations",
+    "num_generations",
+    "advantage_mode",
+    "scale_rewards",
+    "beta",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_prompt_length",
+    "max_completion_length",
+    "discount",
+    "early_termination_threshold",
+    "turn_gradient_weights",
+    "external_prompt_passthrough",
+    "critic_type",
+    "critic_learning_rate",
+    "value_loss_coef",
+    "value_clip_range",
+    "agent_overrides",
+    "dpo_beta",
+    "use_reference_model",
+    "pair_selection",
+    "preference_num_candidates",
+    "preference_pairs_per_sample",
+)
+
+
+def _changed(value):
+    """A different value of the same kind (the comparison only serialises it)."""
+    if isinstance(value, enum.Enum):
+        return next(member for member in type(value) if member != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-changed"
+    if isinstance(value, dict):
+        return {**value, "changed": 1}
+    if isinstance(value, list):
+        return [*value, 1]
+    return 1  # None
+
+
+@pytest.mark.parametrize("name", COMPARED_SETTINGS)
+def test_resume_refuses_a_change_of_every_compared_setting(name, make_config):
+    from comlrl_trl.checkpoint import check_compatible, result_settings
+    from comlrl_trl.trainers.actor_critic.ac_config import IACConfig
+    from comlrl_trl.trainers.preference.madpo_config import MADPOConfig
+
+    configs = [make_config(), make_config(IACConfig), make_config(MADPOConfig, preference_num_candidates=4)]
+    config = next((config for config in configs if hasattr(config, name)), None)
+    assert config is not None, f"no configuration has {name}"
+    saved = json.loads(json.dumps(result_settings(config)))  # as the checkpoint's metadata gives it back
+    before = getattr(config, name)
+    setattr(config, name, _changed(before))
+    with pytest.raises(ValueError, match=f"does not match this trainer.\n  {name}: checkpoint has"):
+        check_compatible(saved, result_settings(config), "checkpoint-1")
+    setattr(config, name, before)
+    check_compatible(saved, result_settings(config), "checkpoint-1")  # unchanged: accepted
+
+
+def test_trl_save_strategy_locks_the_output_dir(qwen_path, make_config, tmp_path):
+    """Saves through TRL's save_strategy go into output_dir: a live run holding it there blocks a second one."""
+    from comlrl_trl.checkpoint import RunLock
+
+    out = tmp_path / "out"
+    holder = RunLock()
+    holder.acquire(str(out))
+    try:
+        trainer = _trainer(qwen_path, make_config, save_strategy="steps", save_steps=1, output_dir=str(out))
+        with pytest.raises(RuntimeError, match="in use by another live training run"):
+            trainer.train()
+        assert trainer.state.global_step == 0  # refused before the first step
+    finally:
+        holder.release()
+    assert not [name for name in os.listdir(out) if name.startswith("checkpoint-")]

@@ -5,6 +5,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -166,18 +167,92 @@ def _nested(depth):
     return value
 
 
-def test_fallback_warns_once_and_still_computes_the_verdict(monkeypatch):
-    monkeypatch.setattr(sandbox, "_DISABLED", [])
-    with pytest.warns(RuntimeWarning, match="no namespace isolation \\(none: unshare failed"):
-        sandbox._disable_isolation("none: unshare failed (Operation not permitted)")
+@pytest.fixture
+def fallback(monkeypatch):
+    """The sandbox as on a system without namespaces (the child is started without isolation)."""
+    monkeypatch.setattr(sandbox, "_DISABLED", ["none: unshare failed (forced by the test)"])
+    monkeypatch.setattr(sandbox, "_WARNED", [])
+    monkeypatch.delenv(sandbox.ALLOW_UNISOLATED_ENV, raising=False)
     assert isolation_mode() == "fallback"
+
+
+def test_fallback_refuses_without_consent_and_says_what_is_lost(fallback, monkeypatch):
+    item = _count_vowels_item()
+    with pytest.raises(sandbox.UnisolatedError) as refused:
+        run_python("def f():\n    return 1\n", ["assert f() == 1"])
+    message = str(refused.value)
+    for lost in ("network", "files", "answer keys", "kill the trainer's processes", "allow_unisolated=True"):
+        assert lost in message
+    assert f"{sandbox.ALLOW_UNISOLATED_ENV}=1" in message
+    with pytest.raises(sandbox.UnisolatedError):  # the code tasks refuse as well
+        task.reward([HELPER], [ATTACKS["always_equal"] + "# refused\n"], batch_items=[item])
+    monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "yes")  # only "1" counts
+    with pytest.raises(sandbox.UnisolatedError):
+        run_python("def f():\n    return 1\n", ["assert f() == 1"])
+
+
+def test_fallback_with_consent_warns_once_and_still_computes_the_verdict(fallback, monkeypatch):
     item = _count_vowels_item()
     code = "import os\ndef home_is_cwd():\n    return os.environ['HOME'] == os.getcwd() != '/tmp'\n"
+    with pytest.warns(RuntimeWarning, match="no namespace isolation \\(none: unshare failed"):
+        assert run_python(code, ["assert home_is_cwd()"], allow_unisolated=True).passed == 1  # a private directory
+    monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
-        sandbox._disable_isolation("another reason")
-        assert run_python(code, ["assert home_is_cwd()"]).passed == 1  # a private working directory
+        assert run_python(code, ["assert home_is_cwd()"]).passed == 1
         assert task.reward([HELPER], [ATTACKS["always_equal"] + "# fallback\n"], batch_items=[item])[0] <= 0.1 + 1e-9
+
+
+SURVIVOR = """
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+def survive():
+    libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+    libc.prctl(15, b"{tag}", 0, 0, 0)  # PR_SET_NAME: findable in /proc
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    if os.fork() == 0:
+        libc.prctl(1, 0, 0, 0, 0)
+        os.setsid()
+        if os.fork() == 0:
+            os.execv('/usr/bin/sleep', ['sleep', '{marker}'])
+        os._exit(0)
+    time.sleep(60)  # the run times out while this call is in progress
+    return 1
+"""
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "fallback"])
+def test_no_process_outlives_a_run_without_a_cgroup(mode, monkeypatch, request):
+    """The first process of the run clears its parent-death signal and leaves its session; so does a grandchild."""
+    if mode == "namespaces" and isolation_mode() != "namespaces":
+        pytest.skip("needs Linux namespaces (root)")
+    if mode == "fallback":
+        request.getfixturevalue("fallback")
+        monkeypatch.setenv(sandbox.ALLOW_UNISOLATED_ENV, "1")
+        warnings.simplefilter("ignore", RuntimeWarning)
+    monkeypatch.setattr(sandbox.RunCgroup, "create", classmethod(lambda cls, *args: None))
+    tag = f"sbx{secrets.token_hex(5)}"
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(10**6):06d}"
+    result = run_python(SURVIVOR.format(tag=tag, marker=marker), ["assert survive() == 1"], timeout=1.5)
+    assert result.timed_out and result.passed == 0, result.errors
+    deadline = time.monotonic() + 3.0
+    while _live(tag, marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(tag, marker) == []
+
+
+def _live(tag: str, marker: str) -> list[str]:
+    """Processes (not zombies) named `tag` or running `sleep marker`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        text = _read(stat)
+        name, _, rest = text.partition(") ")
+        if rest[:1] != "Z" and (name.endswith("(" + tag) or marker in _read(stat.with_name("cmdline"))):
+            found.append(text[:60])
+    return found
 
 
 # ----- isolation (Linux, root) -----
@@ -344,3 +419,148 @@ def _read(path: Path) -> str:
         return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+# ----- issue 24: control flow, codec strictness, reply caps, and a red-team pass -----
+
+
+def test_exceptions_from_the_candidate_cannot_steer_the_checkers_control_flow():
+    code = (
+        "def stop(x):\n    raise StopIteration\n"
+        "def stop_async(x):\n    raise StopAsyncIteration\n"
+        "def gen_exit(x):\n    raise GeneratorExit\n"
+        "def sys_exit(x):\n    raise SystemExit(0)\n"
+        "def interrupt(x):\n    raise KeyboardInterrupt\n"
+        "def picky(x):\n    raise ValueError('negative')\n"
+    )
+    tests = [
+        "assert all(map(lambda x: stop(x) == 2 * x, [1, 2]))",  # StopIteration would end map: all([]) is True
+        "assert list(filter(lambda x: stop(x) != 2 * x, [1, 2])) == []",
+        "assert list(map(stop_async, [1])) == []",
+        "assert list(map(gen_exit, [1])) == []",
+        "assert sys_exit(1) is None",
+        "assert interrupt(1) is None",
+        "try:\n    picky(1)\nexcept ValueError as error:\n    assert isinstance(error, CandidateError)\n"
+        "    assert str(error) == 'negative'",
+        "try:\n    stop(1)\nexcept CandidateError as error:\n    assert not isinstance(error, StopIteration)",
+    ]
+    setup = "from comlrl_trl.tasks.sandbox import CandidateError"
+    result = run_python(code, tests, setup=setup)
+    assert result.test_passed == [False] * 6 + [True, True], result.errors
+    assert "CandidateError: StopIteration" in result.errors[0]
+
+
+@pytest.mark.parametrize("base", [int, float, str, bytes, list, tuple, dict, set, frozenset])
+def test_codec_refuses_subclasses_of_every_accepted_type(base):
+    value = type("Sub", (base,), {})()
+    with pytest.raises(TypeError, match="cannot cross"):
+        codec.encode(value)
+    with pytest.raises(TypeError, match="cannot cross"):
+        codec.encode([1, {"key": (value,)}])  # nested as well
+
+
+def test_codec_decoding_is_bounded_in_time_and_by_hash_collisions():
+    colliding = codec.encode({k * (2**61 - 1) for k in range(codec.MAX_EQUAL_HASHES + 1)})  # all hash to 0
+    with pytest.raises(ValueError, match="with one hash"):
+        codec.decode(colliding)
+    fine = codec.encode({k * (2**61 - 1) for k in range(codec.MAX_EQUAL_HASHES)} | set(range(1, 200)))
+    assert len(codec.decode(fine)) == codec.MAX_EQUAL_HASHES + 199
+    many = codec.encode([[i] for i in range(20000)])
+    assert len(codec.decode(many)) == 20000
+    with pytest.raises(ValueError, match="too long to decode"):
+        codec.decode(many, max_seconds=0.0)
+
+
+def test_oversized_and_slow_replies_fail_only_their_test_and_fast():
+    code = (
+        "import os, json\n"
+        "def big():\n    return 'x' * (2 << 20)\n"
+        "def colliding():\n    return {k * (2**61 - 1) for k in range(4000)}\n"
+        "def raw(size):\n"  # a frame written straight to the checker's pipe, larger than any reply may be
+        "    body = json.dumps({'value': ['S', 'y' * size]}).encode()\n"
+        "    for fd in range(3, 20):\n"
+        "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+        "        except OSError:\n            pass\n"
+        "    return 0\n"
+        "def fine(x):\n    return x\n"
+    )
+    started = time.monotonic()
+    result = run_python(
+        code,
+        ["big()", "colliding()", "raw(3_500_000)", "assert fine(4) == 4"],
+        timeout=6.0,
+    )
+    assert result.test_passed == [False, False, False, True], result.errors
+    assert "exceeds" in result.errors[0] and "one hash" in result.errors[1]
+    assert time.monotonic() - started < 4.0
+
+
+def test_big_plain_globals_do_not_break_loading():
+    code = "TABLE = list(range(100_000))\nSMALL = 3\ndef f():\n    return SMALL\n"  # TABLE: about 1.4 MB encoded
+    result = run_python(code, ["assert f() == 3", "assert SMALL == 3", "assert len(TABLE) > 0"], timeout=10.0)
+    assert result.test_passed == [True, True, False], result.errors  # TABLE stays in the child
+    assert "NameError" in result.errors[0]
+
+
+def test_error_messages_are_printable_single_lines():
+    code = "def f():\n    raise ValueError('a\\nb\\ud800\\x00' + 'z' * 500)\n"
+    result = run_python(code, ["f()", "for i in range(2):\n    assert f() == i"])
+    assert result.passed == 0 and len(result.errors) == 2
+    for error in result.errors:
+        error.encode("utf-8")
+        assert error.isprintable() and len(error) <= sandbox.MAX_ERROR_CHARS
+    assert "a\\nb\\ud800\\x00zz" in result.errors[0]
+
+
+@ISOLATED
+def test_the_process_that_ends_the_run_is_out_of_reach():
+    """The candidate runs as PID 1 of its namespace; the process that kills it at the end of the run is outside
+    (parent pid 0), and a kill of every process the code may signal reaches neither it nor the checker."""
+    code = """
+import os, signal
+def attack():
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
+    return [os.getpid(), os.getppid(), sorted(int(name) for name in os.listdir('/proc') if name.isdigit())]
+def alive():
+    return 'yes'
+"""
+    result = run_python(code, ["assert attack() == [1, 0, [1]]", "assert alive() == 'yes'"])
+    assert result.passed == 2, result.errors
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "fallback"])
+def test_no_process_outlives_a_checker_that_dies_mid_run(mode):
+    """The trainer is killed while a run's processes (which cleared their parent-death signals) are alive."""
+    if mode == "namespaces" and isolation_mode() != "namespaces":
+        pytest.skip("needs Linux namespaces (root)")
+    tag = f"sbx{secrets.token_hex(5)}"
+    marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(10**6):06d}"
+    script = f"""
+import os, sys, warnings
+sys.path.insert(0, {str(Path(sandbox.__file__).parents[2])!r})
+warnings.simplefilter("ignore")
+from comlrl_trl.tasks import sandbox
+if {mode!r} == "fallback":
+    sandbox._DISABLED.append("none: forced by the test")
+    os.environ[sandbox.ALLOW_UNISOLATED_ENV] = "1"
+sandbox.RunCgroup.create = classmethod(lambda cls, *args: None)
+sandbox.run_python({SURVIVOR.format(tag=tag, marker=marker)!r}, ["survive()"], timeout=60)
+"""
+    checker = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE)  # no marker in its command line
+    checker.stdin.write(script.encode())
+    checker.stdin.close()
+    try:
+        deadline = time.monotonic() + 20.0
+        while len(_live(tag, marker)) < 2 and time.monotonic() < deadline:  # the first process and the sleeper
+            time.sleep(0.05)
+        assert len(_live(tag, marker)) == 2
+    finally:
+        checker.kill()
+        checker.wait()
+    deadline = time.monotonic() + 3.0
+    while _live(tag, marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(tag, marker) == []

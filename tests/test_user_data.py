@@ -183,3 +183,30 @@ def test_actor_critic_recipe_trains_on_a_csv_file(tmp_path, reward_module, qwen_
     ]
     summary = recipe.main(*recipe.make_parser("iac").parse_args_and_config(args=argv))
     assert summary["env_steps"] == 4 and summary["reward_func"].endswith("my_rewards.py:score")
+
+
+@pytest.mark.parametrize(
+    "bad_line, reason",
+    [
+        ('{"question": "b", "answer": 2', "Expecting ',' delimiter"),
+        ("not json at all", "Expecting value"),
+        ('["a", "list"]', "a JSON list, not an object"),
+    ],
+)
+def test_a_malformed_jsonl_line_is_named_with_its_file_and_number(tmp_path, bad_line, reason):
+    path = tmp_path / "data.jsonl"
+    good = [json.dumps(row) for row in ROWS]
+    path.write_text("\n".join([good[0], "", good[1], bad_line, good[2], "also bad"]) + "\n")
+    with pytest.raises(ValueError) as raised:
+        user_data.load_user_splits(user_data.DataArguments(dataset_name=str(path)))
+    message = str(raised.value)
+    assert f"line 4 of {path}" in message and reason in message and bad_line[:20] in message
+    assert "line 6" not in message  # the first bad line only
+
+
+def test_a_malformed_line_in_a_directory_of_data_files_is_named(tmp_path):
+    (tmp_path / "files").mkdir()
+    _write(ROWS[:2], tmp_path / "files" / "train.jsonl")
+    (tmp_path / "files" / "test.jsonl").write_text(json.dumps(ROWS[2]) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"line 2 of .*test\.jsonl is not a JSON object"):
+        user_data.load_user_splits(user_data.DataArguments(dataset_name=str(tmp_path / "files")))

@@ -155,6 +155,18 @@ def test_generate_returns_unpadded_completions_within_max_length(tied_team, agen
     assert len({tuple(row) for row in completions}) > 1  # rows of one prompt are independent samples
 
 
+@pytest.mark.parametrize("agent", [0, 1])
+def test_seeded_rows_of_one_prompt_are_different_samples(tied_team, agent):
+    """The K rows of one prompt get K different seeds: with one seed for all of them, every row would be the same
+    sample (a group of identical completions has no advantage signal)."""
+    team, _, _ = tied_team
+    assert team.seed == 0
+    k = 8
+    completions, _ = team.generate(agent, [[5, 6, 7, 8]] * k)
+    distinct = {tuple(row) for row in completions}
+    assert len(distinct) > k // 2, completions  # a near-uniform random model: collisions are rare, not the rule
+
+
 def test_logprobs_match_each_agents_own_model_after_every_weight_swap(tied_team):
     team, models, _ = tied_team
     loads = list(team.weight_loads)

@@ -55,7 +55,9 @@ class RunCgroup:
 
     def kill(self) -> None:
         """SIGKILL every process in the cgroup, until none is left (at most about a second)."""
-        for _ in range(200):
+        pause = 0.0005
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
             pids = [pid for path in self.procs_files for pid in _read_pids(path)]
             if not pids:
                 return
@@ -64,7 +66,8 @@ class RunCgroup:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.005)
+            time.sleep(pause)  # short at first: the processes of a finished run are usually gone within 1-2 ms
+            pause = min(2 * pause, 0.005)
 
     def remove(self) -> None:
         self.kill()

@@ -5,16 +5,21 @@ requests on fd 0, replies on fd 1 (length-prefixed JSON, see `_sandbox_codec`) a
 reads any candidate code it:
 
 1. joins the run's cgroups, when the checker made them (memory and process count of the whole process tree);
-2. with `isolate`: enters new mount, PID, network, IPC and UTS namespaces and forks. The first process only waits
-   and relays the exit status; the second is PID 1 of the new PID namespace (when it dies, the kernel kills every
-   other process in it) and gets the parent-death signal SIGKILL. It builds a new root: a read-only tmpfs holding
-   read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard library and a few
-   devices, with empty directories over every site-packages in it (installed packages and their data are not
-   needed: the child runs with -S), a fresh /proc, and a small writable tmpfs on /tmp, its working directory. It chroots there, sets
-   the resource limits and drops to the run's unprivileged uid, without supplementary groups and with
-   `no_new_privs`;
-3. without `isolate`, or where the kernel refuses a new namespace (the fallback): sets the resource limits and
-   disables Python-level sockets only.
+2. with `isolate`: enters a new PID namespace and forks; PID 1 enters new mount, network, IPC and UTS namespaces. The first process stays
+   outside the namespaces, runs no candidate code, waits and relays the exit status; on SIGTERM (the checker's
+   way to end the run, also its parent-death signal) it SIGKILLs PID 1, and the kernel kills every process of the
+   namespace with it, whatever they did to their parent-death signal, session or process group. The second is
+   PID 1 of the new PID namespace and gets the parent-death signal SIGKILL. It builds a new root: a read-only
+   tmpfs holding read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard
+   library and a few devices, with empty directories over every site-packages in it (installed packages and
+   their data are not needed: the child runs with -S), a fresh /proc, and a small writable tmpfs on /tmp, its
+   working directory. It chroots there, sets the resource limits and drops to the run's unprivileged uid, without
+   supplementary groups and with `no_new_privs`;
+3. without `isolate`, or where the kernel refuses a new namespace (the fallback): forks; the first process is a
+   `reaper`, a child subreaper on Linux (orphans of the run are re-parented to it, not to init) that kills every
+   process below it when the server exits or SIGTERM arrives; the server sets the resource limits and disables
+   Python-level sockets only. (The candidate code runs as the same user there, so it can kill the reaper first:
+   the fallback is not a security boundary, see `sandbox.py`.)
 
 Its first reply, written before any candidate code runs, says which of 2. and 3. holds. Then it executes the
 candidate code, reports the names it defines, and answers `call` requests with plain data. Everything after the
@@ -28,6 +33,7 @@ import resource
 import select
 import signal
 import sys
+import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +55,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     16384,
     1 << 18,
 )
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 DEVICES = ("null", "zero", "urandom", "random")
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or real directories
 MAX_MESSAGE_CHARS = 200
@@ -82,19 +88,127 @@ def _bind_readonly(source: str, target: str, flags: int = MS_NOSUID | MS_NODEV) 
 
 
 def enter_namespaces() -> int:
-    """Unshare and fork. Returns (in PID 1 of the new namespace) the read end of a pipe that closes with the parent;
-    the first process never returns: it waits for PID 1 and exits with its status."""
-    _libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    """Unshare and fork. Returns (in PID 1 of the new namespace) the read end of a pipe that closes with the parent.
+
+    The first process never returns and runs no candidate code: it waits for PID 1 and exits with its status; on
+    SIGTERM (from the checker, or as its parent-death signal when the checker dies) it SIGKILLs PID 1, which makes
+    the kernel kill every process of the namespace. PID 1 runs the candidate code
+    and may clear its own parent-death signal or leave its session, but it cannot block a SIGKILL from its parent
+    namespace, nor signal its parent (another namespace, another uid)."""
+    _libc_call("unshare", CLONE_NEWPID)  # for the children; PID 1 makes the other namespaces (`private_namespaces`)
     lifeline, keep = os.pipe()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler below knows PID 1
     pid = os.fork()
     if pid:
+
+        def end_run(*_):
+            os.kill(pid, signal.SIGKILL)  # cannot be blocked; the namespace's teardown goes on without waiting here
+            os._exit(1)
+
+        signal.signal(signal.SIGTERM, end_run)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         for fd in (0, 1, lifeline):  # the checker sees EOF as soon as PID 1 is gone
             os.close(fd)
         _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        os._exit(code if code >= 0 else 128 - code)
+        os._exit(_exit_code(status))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.close(keep)
     return lifeline
+
+
+def private_namespaces() -> None:
+    """New mount, network, IPC and UTS namespaces for PID 1 (and so the whole run). Made here, not by the first
+    process, so that the first process holds none of them: its exit never waits for their teardown."""
+    _libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
+def reaper() -> None:
+    """The fallback's reaper. Forks the server: it returns from here (and goes on to serve the checker); this
+    process never returns.
+
+    This process runs no candidate code. It is a child subreaper (on Linux), so every process the run leaves is
+    re-parented to it, not to init; when the server exits or SIGTERM arrives (from the checker, or as the
+    parent-death signal when the checker dies) it kills all of them and exits with the server's status.
+    """
+    if sys.platform.startswith("linux"):  # orphans of the run come here, not to init
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    parent = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until this process knows the server's pid
+    server = os.fork()
+    if server == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if sys.platform.startswith("linux"):
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # dropping the uid clears it: set again there
+        if os.getppid() != parent:  # the reaper died before the line above
+            os._exit(1)
+        return
+
+    def finish(status):
+        kill_descendants(server)
+        os._exit(1 if status is None else _exit_code(status))
+
+    signal.signal(signal.SIGTERM, lambda *_: finish(None))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    for fd in (0, 1):  # only the server holds the checker's pipes
+        os.close(fd)
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            finish(None)
+        if pid == server:
+            finish(status)
+
+
+def kill_descendants(server: int) -> None:
+    """SIGKILL the server and every process re-parented to this one, until none is left (at most 2 s)."""
+    for pid in (server, *_children()):
+        _kill(pid)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        while True:  # reap what has exited
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                return
+        children = _children()
+        if not children and not os.path.isdir("/proc/self"):  # no /proc: only the server's process group
+            return
+        for pid in children:
+            _kill(pid)
+        time.sleep(0.001)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children() -> list[int]:
+    """The pids whose parent is this process, from /proc (empty without it)."""
+    me, found = os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as handle:
+                    fields = handle.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 1 and int(fields[1]) == me:
+                found.append(int(name))
+    return found
 
 
 def build_root(root: str, uid: int, tmp_bytes: int, hidden: list[str]) -> None:
@@ -195,6 +309,10 @@ def block_network() -> None:
 
 def isolate(config: dict) -> str:
     """Apply the isolation of the module docstring; returns how this process is isolated."""
+    if sys.platform.startswith("linux"):  # the run ends (see enter_namespaces and reaper) if the checker dies
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != config["checker"]:
+            os._exit(1)
     for path in config["cgroups"]:
         with open(path, "w") as handle:
             handle.write(str(os.getpid()))
@@ -205,6 +323,7 @@ def isolate(config: dict) -> str:
             reason = f"unshare failed ({error.strerror})"
         else:
             try:
+                private_namespaces()
                 build_root(config["root"], config["uid"], config["tmp_bytes"], config["hidden"])
                 set_limits(config, processes=True)
                 drop_privileges(config["uid"], lifeline)
@@ -213,6 +332,7 @@ def isolate(config: dict) -> str:
             return "namespaces"
     else:
         reason = "disabled"
+    reaper()
     set_limits(config, processes=False)
     block_network()
     return "none: " + reason
@@ -262,14 +382,19 @@ def load(code: str) -> tuple[dict, dict]:
         exec(compiled, namespace)
     except BaseException as error:
         report["error"] = f"{type(error).__name__} while running the code: {message(error)}"
+    room = codec.MAX_REPLY_BYTES // 2  # plain-data globals that do not fit stay in the child (tests cannot see them)
     for name, value in list(namespace.items()):
         if callable(value):
             report["functions"].append(name)
         else:
             try:
-                report["values"][name] = codec.encode(value)
+                encoded = codec.encode(value)
+                size = len(json.dumps(encoded)) + len(name) + 8
             except (TypeError, ValueError):
-                pass  # modules and other objects stay in the child
+                continue  # modules and other objects stay in the child
+            if size <= room:
+                room -= size
+                report["values"][name] = encoded
     return namespace, report
 
 
@@ -279,7 +404,7 @@ def answer(namespace: dict, request: dict) -> dict:
         args = [codec.decode(value) for value in request["args"]]
         kwargs = {key: codec.decode(value) for key, value in request["kwargs"].items()}
         reply = {"value": codec.encode(function(*args, **kwargs))}
-        codec.frame(reply)  # too large to send?
+        codec.frame(reply, codec.MAX_REPLY_BYTES)  # too large to send?
         return reply
     except BaseException as error:
         return {"raise": [type(error).__name__, message(error)]}

@@ -5,19 +5,26 @@ and list, tuple, dict, set, frozenset of them, nested at most `MAX_DEPTH` deep, 
 set elements and dict keys in all. Each value becomes a JSON list whose first element is a one-letter tag, e.g.
 `(1, "a")` -> `["T", [["I", "1"], ["S", "a"]]]`. `decode` accepts nothing else, so whatever the untrusted side
 writes, the trusted side gets back plain Python data or a `ValueError`, never an object with methods of the
-sender's choosing.
+sender's choosing. Decoding is bounded: replies of at most `MAX_REPLY_BYTES`, `MAX_DECODE_SECONDS` of work, and
+sets and dicts whose keys do not collide in their hashes (a crafted set of equal hashes would take quadratic time
+to build).
 
 This module is shared by the trusted checker (`sandbox.py`) and the untrusted child (`_sandbox_child.py`, which
 loads it by path), so it uses only the standard library and no package-relative imports.
 """
 
+import collections
 import json
 import os
+import time
 
 
 MAX_DEPTH = 64  # nesting of containers
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # one message, JSON-encoded
-MAX_HASHED_ITEMS = 5000  # set elements plus dict keys in one decoded value (bounds hash-collision slowdowns)
+MAX_FRAME_BYTES = 4 * 1024 * 1024  # one message from the checker to the child, JSON-encoded
+MAX_REPLY_BYTES = 1024 * 1024  # one message from the child to the checker (it decodes while holding the GIL)
+MAX_DECODE_SECONDS = 0.25  # `decode` gives up (ValueError) after this long
+MAX_HASHED_ITEMS = 5000  # set elements plus dict keys in one decoded value
+MAX_EQUAL_HASHES = 32  # set elements or dict keys of one container that share a hash (crafted collisions)
 _SEQUENCES = {list: "L", tuple: "T", set: "E", frozenset: "Z"}
 _BUILD = {"L": list, "T": tuple, "E": set, "Z": frozenset}
 
@@ -49,14 +56,29 @@ def encode(value, depth: int = 0) -> list:
     )
 
 
-def decode(data):
-    """The value `encode` produced; `ValueError` for anything malformed."""
-    return _decode(data, 0, [MAX_HASHED_ITEMS])
+def decode(data, max_seconds: float = MAX_DECODE_SECONDS):
+    """The value `encode` produced; `ValueError` for anything malformed, or when decoding takes longer than
+    `max_seconds` (a crafted value must not hold the decoding process for long)."""
+    return _decode(data, 0, _Budget(max_seconds))
 
 
-def _decode(data, depth: int, hashed_left: list[int]):
+class _Budget:
+    """What one `decode` may still spend: set elements and dict keys, and time (checked every 1024 values)."""
+
+    def __init__(self, max_seconds: float):
+        self.hashed_left, self.count = MAX_HASHED_ITEMS, 0
+        self.deadline = time.monotonic() + max_seconds
+
+    def tick(self) -> None:
+        self.count += 1
+        if not self.count & 1023 and time.monotonic() > self.deadline:
+            raise ValueError("a value that takes too long to decode")
+
+
+def _decode(data, depth: int, budget: _Budget):
     if depth > MAX_DEPTH or type(data) is not list or not data or type(data[0]) is not str:
         raise ValueError("malformed value")
+    budget.tick()
     tag, args = data[0], data[1:]
     try:
         if tag == "N" and not args:
@@ -75,29 +97,44 @@ def _decode(data, depth: int, hashed_left: list[int]):
         if tag == "Y" and kind is str:
             return bytes.fromhex(payload)
         if tag in ("E", "Z", "D") and kind is list:  # colliding hashes make building these quadratic: bound them
-            hashed_left[0] -= len(payload)
-            if hashed_left[0] < 0:
+            budget.hashed_left -= len(payload)
+            if budget.hashed_left < 0:
                 raise ValueError(f"more than {MAX_HASHED_ITEMS} set elements and dict keys in one value")
-        if tag in _BUILD and kind is list:
-            return _BUILD[tag](_decode(item, depth + 1, hashed_left) for item in payload)
+        if tag in ("L", "T") and kind is list:
+            return _BUILD[tag](_decode(item, depth + 1, budget) for item in payload)
+        if tag in ("E", "Z") and kind is list:
+            items = [_decode(item, depth + 1, budget) for item in payload]
+            _check_hashes(items)
+            return _BUILD[tag](items)
         if tag == "D" and kind is list:
-            return dict(_decode_pair(pair, depth + 1, hashed_left) for pair in payload)
+            pairs = [_decode_pair(pair, depth + 1, budget) for pair in payload]
+            _check_hashes([key for key, _ in pairs])
+            return dict(pairs)
     except (TypeError, OverflowError, RecursionError) as error:  # e.g. an unhashable set element or dict key
         raise ValueError(f"malformed value: {error}") from None
     raise ValueError(f"malformed value (tag {tag[:8]!r})")
 
 
-def _decode_pair(pair, depth: int, hashed_left: list[int]) -> tuple:
+def _decode_pair(pair, depth: int, budget: _Budget) -> tuple:
     if type(pair) is not list or len(pair) != 2:
         raise ValueError("malformed dict entry")
-    return _decode(pair[0], depth, hashed_left), _decode(pair[1], depth, hashed_left)
+    return _decode(pair[0], depth, budget), _decode(pair[1], depth, budget)
 
 
-def frame(message: dict) -> bytes:
-    """One message as bytes: a 4-byte big-endian length, then the JSON text."""
+def _check_hashes(keys: list) -> None:
+    """`ValueError` when many keys share one hash: building the set or dict would take quadratic time.
+    (`TypeError` for an unhashable key, as building it would.)"""
+    if len(keys) > MAX_EQUAL_HASHES:
+        counts = collections.Counter(hash(key) for key in keys)
+        if max(counts.values()) > MAX_EQUAL_HASHES:
+            raise ValueError(f"more than {MAX_EQUAL_HASHES} set elements or dict keys with one hash")
+
+
+def frame(message: dict, limit: int = MAX_FRAME_BYTES) -> bytes:
+    """One message as bytes: a 4-byte big-endian length, then the JSON text (`ValueError` above `limit` bytes)."""
     body = json.dumps(message, separators=(",", ":")).encode("utf-8", errors="surrogatepass")
-    if len(body) > MAX_FRAME_BYTES:
-        raise ValueError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if len(body) > limit:
+        raise ValueError(f"message of {len(body)} bytes exceeds the {limit}-byte limit")
     return len(body).to_bytes(4, "big") + body
 
 

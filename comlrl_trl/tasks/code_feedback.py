@@ -15,14 +15,17 @@ The structure bonus gives a learning signal before any test passes; it is small,
 beats a well-shaped wrong one.
 
 Reward integrity: the tests are checked by `sandbox.run_python` outside the agents' code, which only returns
-plain data, so no object with a rigged `__eq__`, patched builtin, forged report or early exit raises the pass
-rate. On Linux as root the code runs isolated (namespaces, own uid, read-only tree without the repository or
-these tests, no network, cgroup limits); elsewhere a warning says that only per-process limits apply. Kernel
-exploits and CPU side channels are not covered. The structure bonus is computed from the source text here, so
-it cannot be faked at run time, only earned by the code's shape.
+plain data, so no object with a rigged `__eq__`, patched builtin, forged report, early exit or `StopIteration`
+raises the pass rate. On Linux as root the code runs isolated (namespaces, own uid, read-only tree without the
+repository or these tests, no network, cgroup limits, no process outliving the run); elsewhere the sandbox refuses
+to run it unless `COMLRL_SANDBOX_ALLOW_UNISOLATED=1` is set (see `sandbox.py`, 'Fallback'). Kernel exploits and CPU
+side channels are not covered. The structure bonus is computed from the source text here (only reachable calls of
+`aux` count, any top-level binding of `aux` by the main agent cancels the call bonus, and the entry point must be
+defined under its exact name), so it cannot be faked at run time, only earned by the code's shape.
 
 Between turns, `transition` runs the tests again and gives each agent a revision prompt with the test results
-(the first failing tests, with the values obtained), its own previous code and the teammate's code; the
+(the first failing tests, with the values obtained, quoted as escaped single lines in a `~~~text` block), its own
+previous code and the teammate's code (in fences longer than any run of backticks in them); the
 formatters put the problem statement and the agent's role in front of it. Keep the trainer's
 `external_prompt_passthrough=False` (the default), so that later prompts still contain the problem.
 

