@@ -90,7 +90,7 @@ def main() -> None:
         # The model directory holds bf16 weights (half the disk): train on fp32 master weights under bf16 autocast,
         # as the recipes do (--dtype float32); without a dtype they would load, and train, in bf16.
         model_init_kwargs={"dtype": "float32"},
-        vllm_gpu_memory_utilization=0.8 / (1 if args.lora else args.agents),  # one engine per agent unless LoRA
+        vllm_gpu_memory_utilization=0.8,  # one engine per process, whatever the agents (comlrl_trl.generation)
     )
     steps = []
 
