@@ -269,8 +269,10 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
         reward_funcs=trl_reward,
         train_dataset=dataset,
         # Our default samples several updates' items at once: for 6 items of one item per update, 3 (5 and 4 would
-        # leave items out of the epoch). TRL gets the same setting; it is not TRL's default (1).
-        args=GRPOConfig(output_dir=str(tmp_path / "trl"), steps_per_generation=3, **common),
+        # leave items out of the epoch), and CoMLRL's sampling. TRL gets the same settings; they are not TRL's defaults.
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "trl"), steps_per_generation=3, temperature=0.6, top_p=0.6, top_k=50, **common
+        ),
     )
     reference.train()
     ours = MAGRPOTrainer(
