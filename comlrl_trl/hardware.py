@@ -72,3 +72,24 @@ def training_autocast(accelerator, bf16: bool):
     if bf16 and not accelerator.native_amp:
         return torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16)
     return accelerator.autocast()
+
+
+def matmul_gflops(dtype: torch.dtype = torch.bfloat16, size: int = 1024, repeats: int = 5, clock=None) -> float:
+    """The CPU's rate for one `size` x `size` matrix product in `dtype`, in GFLOP/s on the current torch threads.
+
+    The best of `repeats` timed products after one warm-up (2 * size**3 floating-point operations each). Training
+    times differ several-fold between machines with the same core count (bf16 units, clock, memory), so a timing is
+    reported with this rate beside it. `clock` (default `time.perf_counter`) is for tests.
+    """
+    import time
+
+    clock = clock or time.perf_counter
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        torch.mm(a, b)
+        best = min(best, clock() - start)
+    return 2 * size**3 / best / 1e9

@@ -55,12 +55,13 @@ def make_config(tmp_path):
             eval_interval=0,
             seed=0,
         )
-        if config_cls._default_batch_size is MAGRPOConfig._default_batch_size:
-            # One task item per step (the default is four): these tests count steps, logs and evaluations in items.
-            k = overrides.get("num_generations", settings["num_generations"])
-            settings["per_device_train_batch_size"] = (
-                k or overrides["preference_num_candidates"]
-            )  # MADPO: K = candidates
+        if config_cls._default_generation_spans_updates and not (
+            {"steps_per_generation", "generation_batch_size"} & overrides.keys()
+        ):
+            # One generation per optimiser update, TRL's default (ours samples up to five updates' items at once):
+            # these tests count generations, steps, logs and evaluations per update. tests/test_generation_batching.py
+            # tests our default.
+            settings["steps_per_generation"] = overrides.get("gradient_accumulation_steps", 1)
         settings.update(overrides)
         return config_cls(**settings)
 

@@ -131,7 +131,7 @@ def test_resume_refuses_changed_settings_and_lists_them(qwen_path, make_config, 
         "lr_scheduler_type: checkpoint has 'constant', this trainer has 'linear'",
         "advantage_mode: checkpoint has 'mean', this trainer has 'rloo'",
         "beta: checkpoint has 0.0, this trainer has 0.1",
-        "temperature: checkpoint has 1.0, this trainer has 0.7",
+        "temperature: checkpoint has 0.6, this trainer has 0.7",
         "loss_type: checkpoint has 'dapo', this trainer has 'grpo'",
     ):
         assert line in message

@@ -74,10 +74,11 @@ def test_defaults(out):
     assert cfg.max_completion_length == 256
     assert cfg.max_new_tokens == 256
     assert cfg.num_generations == 4
-    assert cfg.per_device_train_batch_size == 4 * cfg.num_generations  # four task items per step
+    assert cfg.per_device_train_batch_size == cfg.num_generations  # one task item per optimiser update
+    assert cfg.steps_per_generation == 5  # up to five updates sampled at once, fitted to the training set later
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
-    assert cfg.top_k == 0  # None -> 0 (disabled)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k) == (0.6, 0.6, 50)  # CoMLRL's sampling, not TRL's (1.0, 1.0, 0)
     assert cfg.num_agents == 2
     assert cfg.num_turns == 1
     assert cfg.joint_mode == "align"
@@ -92,7 +93,7 @@ def test_defaults(out):
 
 def test_per_device_batch_follows_num_generations(out):
     cfg = config(out, num_generations=6)
-    assert cfg.per_device_train_batch_size == 24  # four items of 6 completions
+    assert cfg.per_device_train_batch_size == 6  # one item of 6 completions
     assert config(out, num_generations=2, per_device_train_batch_size=8).per_device_train_batch_size == 8
 
 
@@ -266,7 +267,7 @@ def test_hf_argument_parser_round_trip(out):
     assert cfg.joint_mode == "cross"
     assert cfg.agent_learning_rate == 1e-4 and cfg.learning_rate == 1e-4
     assert cfg.top_k == 5
-    assert cfg.max_completion_length == 256 and cfg.per_device_train_batch_size == 16
+    assert cfg.max_completion_length == 256 and cfg.per_device_train_batch_size == 4
     assert cfg.save_strategy == "no"
 
 
@@ -343,33 +344,43 @@ def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tm
 
 
 @pytest.mark.parametrize(
-    "num_items, evaluates, eval_interval, items_per_step",
+    "num_items, evaluates, eval_interval, updates_per_generation",
     [
-        (16, False, 16, 4),
-        (8, False, 16, 4),
+        (10, False, 16, 5),  # the tutorial: two generations of 5 items per epoch
+        (16, False, 16, 4),  # 5 would leave one item out (3 x 5 = 15); 4 keeps all 16
+        (20, False, 16, 5),
+        (7, False, 16, 1),  # 7 is prime: any batch of 2-5 items drops some
         (6, False, 16, 3),
-        (7, False, 16, 1),
-        (10, False, 16, 2),
-        (2, False, 16, 2),
         (3, False, 16, 3),
         (1, False, 16, 1),
-        (16, True, 16, 4),
-        (16, True, 6, 2),
+        (10, True, 16, 2),  # 5 does not divide eval_interval=16, 2 does and keeps all 10 items
+        (16, True, 6, 2),  # 3 divides 6 but leaves 16 - 15 = 1 item out, which 1 would not: 2 (8 x 2 = 16, 6 % 2 = 0)
         (16, True, 1, 1),
-        (16, False, 1, 4),  # eval_interval counts only with evals
+        (16, False, 1, 4),  # eval_interval counts only with evaluations
     ],
 )
-def test_default_batch_fits_the_training_set(out, num_items, evaluates, eval_interval, items_per_step):
+def test_default_generation_fits_the_training_set(out, num_items, evaluates, eval_interval, updates_per_generation):
     cfg = config(out, num_generations=3, eval_interval=eval_interval)
-    cfg.fit_batch_to_dataset(num_items, evaluates=evaluates)
-    assert cfg.per_device_train_batch_size == 3 * items_per_step
-    assert cfg.generation_batch_size == 3 * items_per_step
+    assert cfg.per_device_train_batch_size == 3  # one task item per optimiser update
+    cfg.fit_generation_to_dataset(num_items, evaluates=evaluates)
+    assert cfg.steps_per_generation == updates_per_generation
+    assert cfg.generation_batch_size == 3 * updates_per_generation
 
 
-def test_a_set_batch_size_is_never_fitted(out):
-    cfg = config(out, num_generations=3, per_device_train_batch_size=12)
-    cfg.fit_batch_to_dataset(7, evaluates=True)
-    assert cfg.per_device_train_batch_size == 12
+def test_default_generation_spans_accumulation_steps(out):
+    # Two micro-steps per update: 10 items make 5 updates of 2 items, generated 5 updates (10 micro-steps) at once.
+    cfg = config(out, num_generations=3, gradient_accumulation_steps=2)
+    cfg.fit_generation_to_dataset(10)
+    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (10, 30)
+
+
+def test_a_set_generation_is_never_fitted(out):
+    cfg = config(out, num_generations=3, steps_per_generation=2)
+    cfg.fit_generation_to_dataset(7, evaluates=True)
+    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (2, 6)
+    cfg = config(out, num_generations=3, generation_batch_size=9)
+    cfg.fit_generation_to_dataset(7, evaluates=True)
+    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (3, 9)
 
 
 def test_vllm_lora_mode_is_checked(out):

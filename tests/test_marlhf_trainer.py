@@ -49,6 +49,11 @@ def _config(make_config, config_cls=MARLHFConfig, **overrides):
         preference_pairs_per_sample=2,
         reward_learning_rate=1e-3,
         reward_num_train_epochs=2,
+        # TRL's full-distribution sampling: a tiny random model's candidates at T 0.6 / top-p 0.6 often tie, and
+        # tied candidates form no preference pair.
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
     )
     settings.update(overrides)
     return make_config(**settings)
@@ -483,6 +488,12 @@ def iterative_run(tmp_path_factory, qwen_path):
         reward_learning_rate=1e-3,
         pair_selection="random",
         preference_output_dir=str(root / "pairs"),
+        # Four items of 2 completions per RL step, and full-distribution sampling: the agents of a third iteration
+        # (the resume test) still sample candidates that differ, so that they form preference pairs.
+        per_device_train_batch_size=8,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
     )
     trainer = MARLHFIterTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=config)
     trainer.train(checkpoint_dir=root / "ckpt")

@@ -313,6 +313,8 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
             loss_type="dr_grpo",
             max_grad_norm=0,
             temperature=1.0,
+            top_p=1.0,  # the whole distribution: top-p 0.6 would keep only the biased EOS
+            top_k=0,
             max_new_tokens=max_len,
             per_device_train_batch_size=8,
             steps_per_generation=1,

@@ -96,6 +96,9 @@ def test_one_agent_matches_trl_grpo_in_bf16_within_tolerance(qwen_path, tmp_path
         save_strategy="no",
         bf16=True,
         use_cpu=True,
+        # On-policy (one generation per update): bf16 rounding moves TRL's clipped off-policy ratios of later
+        # updates apart; tests/test_magrpo_trainer.py checks our default (several updates per generation) in fp32.
+        steps_per_generation=1,
     )
 
     def trl_reward(completions, **kwargs):
@@ -105,7 +108,7 @@ def test_one_agent_matches_trl_grpo_in_bf16_within_tolerance(qwen_path, tmp_path
         model=qwen_path,
         reward_funcs=trl_reward,
         train_dataset=dataset,
-        args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common),
+        args=GRPOConfig(output_dir=str(tmp_path / "trl"), temperature=0.6, top_p=0.6, top_k=50, **common),
     )
     reference.train()
     ours = MAGRPOTrainer(
@@ -246,3 +249,11 @@ def test_critic_and_reference_kl_forwards_run_in_bf16_when_accelerates_autocast_
         "critic training": {torch.bfloat16},
         "reference KL": {torch.bfloat16},
     }
+
+
+def test_matmul_rate_is_the_best_of_the_timed_products_in_gflops():
+    # A clock whose timed products take 2 s, 0.5 s and 1 s: the best is 0.5 s. A 100 x 100 product is
+    # 2 * 100**3 = 2e6 floating-point operations, so the rate is 2e6 / 0.5 / 1e9 = 0.004 GFLOP/s.
+    ticks = iter([0.0, 2.0, 10.0, 10.5, 20.0, 21.0])
+    rate = hardware.matmul_gflops(torch.float32, size=100, repeats=3, clock=lambda: next(ticks))
+    assert rate == pytest.approx(0.004)

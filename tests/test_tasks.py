@@ -25,9 +25,11 @@ requires_smollm2 = pytest.mark.skipif(
 
 def test_length_ratio_dataset_split_is_fixed_and_disjoint():
     train, evaluation = length_ratio.build_dataset("train"), length_ratio.build_dataset("eval")
-    assert (len(train), len(evaluation)) == (16, 4)
+    assert (len(train), len(evaluation)) == (16, 16)
     assert set(train.column_names) == {"prompt", "target_min", "target_max"}
-    assert sorted(list(train["prompt"]) + list(evaluation["prompt"])) == sorted(length_ratio.PROMPTS)
+    every_prompt = length_ratio.PROMPTS + length_ratio.EVAL_ONLY_PROMPTS
+    assert sorted(list(train["prompt"]) + list(evaluation["prompt"])) == sorted(every_prompt)
+    assert len(set(every_prompt)) == 32  # no prompt twice: the splits are disjoint
     assert "Describe a city in the clouds." in list(train["prompt"])  # the tutorial's prompts are kept
     assert list(length_ratio.build_dataset("train")["prompt"]) == list(train["prompt"])
     assert list(length_ratio.build_dataset("eval")["prompt"]) == list(evaluation["prompt"])

@@ -144,8 +144,10 @@ def test_magrpo_recipe_trains_on_a_jsonl_file_with_a_reward_module(tmp_path, rew
             "1",
             "--per_device_train_batch_size",
             "2",
+            "--steps_per_generation",
+            "1",
         ]
-    )  # one item per step
+    )  # one item per step, sampled for each step
     summary = recipe.main(*args)
     calls = sys.modules["my_rewards"].CALLS
     assert summary["env_steps"] == 2 * 2 and summary["dataset"] == str(path)

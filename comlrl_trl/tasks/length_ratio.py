@@ -23,7 +23,7 @@ from typing import Any, Literal
 from datasets import Dataset
 
 
-__all__ = ["PROMPTS", "TARGET_MIN", "TARGET_MAX", "build_dataset", "formatters", "reward"]
+__all__ = ["PROMPTS", "EVAL_ONLY_PROMPTS", "TARGET_MIN", "TARGET_MAX", "build_dataset", "formatters", "reward"]
 
 #: Default bounds of the rewarded ratio len(detailed) / len(brief); an item may override them.
 TARGET_MIN = 2.0
@@ -53,12 +53,28 @@ PROMPTS = (
     "Design a school for young wizards.",
 )
 
-# Every fifth prompt is held out for evaluation: 16 training items, 4 evaluation items.
+# Evaluation only, so that an evaluation averages over enough items to show progress (4 held-out ones did not).
+EVAL_ONLY_PROMPTS = (
+    "Describe a market that opens only at midnight.",
+    "Invent a new way to say thank you.",
+    "Write a short story about a shy volcano.",
+    "Explain how a city could float on water.",
+    "Tell a story about a snail who wins a race.",
+    "Describe a day without gravity.",
+    "Create a pet for an astronaut.",
+    "Write a scene where the wind tells a secret.",
+    "Invent a new color and describe it.",
+    "Design a garden on a train.",
+    "Describe a museum of forgotten toys.",
+    "Invent a holiday for lighthouses.",
+)
+
+# Every fifth of PROMPTS is held out for evaluation, with EVAL_ONLY_PROMPTS: 16 training items, 16 evaluation items.
 _EVAL_EVERY = 5
 
 
 def build_dataset(split: Literal["train", "eval"] = "train") -> Dataset:
-    """The task items of `split` ("train": 16, "eval": 4), in a fixed order.
+    """The task items of `split` ("train": 16, "eval": 16), in a fixed order.
 
     Columns: `prompt`, `target_min`, `target_max` (the rewarded ratio range, 2 and 3 for every shipped item).
     """
@@ -66,6 +82,8 @@ def build_dataset(split: Literal["train", "eval"] = "train") -> Dataset:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
     held_out = split == "eval"
     prompts = [p for i, p in enumerate(PROMPTS) if (i % _EVAL_EVERY == _EVAL_EVERY - 1) == held_out]
+    if held_out:
+        prompts += EVAL_ONLY_PROMPTS
     return Dataset.from_dict(
         {"prompt": prompts, "target_min": [TARGET_MIN] * len(prompts), "target_max": [TARGET_MAX] * len(prompts)}
     )

@@ -32,6 +32,7 @@ def main(output_dir: str, lora: bool) -> None:
         eval_interval=0,
         bf16=False,
         per_device_train_batch_size=2,
+        steps_per_generation=1,  # one generation and one log (with its gradient norms) per step
     )
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if lora else None
     trainer = MAGRPOTrainer(

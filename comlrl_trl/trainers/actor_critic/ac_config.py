@@ -71,7 +71,7 @@ class ActorCriticConfig(MAGRPOConfig):
         ):
             raise ValueError(f"num_generations must be an integer >= 1, got {self.num_generations!r}.")
 
-    _default_batch_fits_dataset = False
+    _default_generation_spans_updates = False  # the critics train on each generation's samples on-policy
 
     def _default_batch_size(self) -> int:
         g = self.num_generations

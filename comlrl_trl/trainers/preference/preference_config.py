@@ -36,6 +36,8 @@ class PreferenceConfig(MAGRPOConfig):
         default="reward_gap", metadata={"help": "Pair choice: 'reward_gap', 'all' or 'random'."}
     )
 
+    _default_generation_spans_updates = False  # pairs are formed and trained per generation, on-policy
+
     def __post_init__(self):
         self._validate_preference_fields()
         super().__post_init__()

@@ -19,10 +19,15 @@ from ...hardware import bf16_is_fast, cpu_bf16_pays_off
 # Defaults shared by CoMLRL's documented fields and their TRL twins. Each pair may be set through either name.
 _DEFAULT_LEARNING_RATE = 5e-6
 _DEFAULT_MAX_NEW_TOKENS = 256
-# Task items per device and optimiser step when per_device_train_batch_size is left unset. One item per step pays the
-# fixed costs of a step (a generate call and an AdamW update per agent, TRL's bookkeeping) for K samples only;
-# 4 items amortise them and still leave several updates per epoch on small task sets (see README, "Speed").
-_DEFAULT_ITEMS_PER_STEP = 4
+# Task items per device and optimiser update when per_device_train_batch_size is left unset: one, as in TRL and
+# CoMLRL. Four items per update were faster per sample but learned less per epoch (docs/benchmarks.md, "Learning").
+_DEFAULT_ITEMS_PER_STEP = 1
+# Optimiser updates whose task items are sampled in one batched `generate` call when steps_per_generation is left
+# unset (fewer where the training set is small). Decoding is bound by per-token overhead, not by the rows: 20 rows
+# cost about what 4 do, so generation, two thirds of a one-item update on a CPU, is shared by these updates. The
+# later updates of a generation train on samples of slightly older weights, which TRL's clipped importance ratio
+# (old log-probabilities from one scoring forward) corrects.
+_DEFAULT_MAX_STEPS_PER_GENERATION = 5
 
 
 @dataclass
@@ -67,8 +72,13 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             Maximum completion length per agent. Same as TRL's `max_completion_length`; set either one.
         num_generations (`int`, *optional*, defaults to `4`):
             Completions per agent per task item (K). Must be at least 2 (the baseline needs a group).
-        top_k (`int` or `None`, *optional*, defaults to `None`):
-            Top-k filtering; `None` or `0` disables it.
+        temperature (`float`, *optional*, defaults to `0.6`):
+            Sampling temperature; TRL also divides the logits by it when it computes the policy's log-probabilities.
+        top_p (`float`, *optional*, defaults to `0.6`):
+            Nucleus sampling: sample among the most likely tokens that hold this much probability.
+        top_k (`int` or `None`, *optional*, defaults to `50`):
+            Top-k filtering; `None` or `0` disables it. Sampling defaults are CoMLRL's (0.6, 0.6, 50), not TRL's
+            (1.0, 1.0, off): with TRL's, the agents of the length-ratio tutorial learned less per update.
         max_prompt_length (`int` or `None`, *optional*, defaults to `2048`):
             Prompts longer than this many tokens are truncated from the left (the end is kept), with a warning, as
             in TRL's trainers that have this option. `None`: no limit. The default is above TRL's former 512
@@ -98,8 +108,14 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             `scale_rewards` (`True` is `"group"`, `False` is `"none"`); `None` follows `scale_rewards`. With
             normalisation on, all four baselines give the same advantages.
         per_device_train_batch_size (`int` or `None`, *optional*, defaults to `None`):
-            Completions per agent per device and micro-step, as in TRL. `None` means `4 * num_generations`: four
-            task items per device per optimiser step.
+            Completions per agent per device and micro-step, as in TRL. `None` means `num_generations`: one task
+            item per device per optimiser update, as in TRL and CoMLRL.
+        steps_per_generation (`int` or `None`, *optional*, defaults to `None`):
+            Micro-steps whose completions are sampled in one `generate` call, as in TRL. `None` samples the task
+            items of up to 5 optimiser updates at once (`5 * gradient_accumulation_steps`), fewer where that would
+            leave items of a small training set out of an epoch or not divide `eval_interval`. The later updates of
+            a generation are slightly off-policy; TRL's clipped importance ratio corrects them. `1` (with
+            `gradient_accumulation_steps=1`) samples for every update, on-policy.
 
         agent_overrides (`list[dict]` or `None`, *optional*, defaults to `None`):
             One dict per agent of per-agent settings that replace this configuration's values for that agent only
@@ -123,11 +139,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             Batch size of the evaluation data loader (not the number of responses: evaluation samples one response
             per agent per item).
 
-    Defaults that differ from [`~trl.GRPOConfig`]: `num_generations=4`, `learning_rate=5e-6`,
+    Defaults that differ from [`~trl.GRPOConfig`]: `num_generations=4`, `learning_rate=5e-6`, `temperature=0.6`,
+    `top_p=0.6`, `top_k=50`,
     `max_completion_length=256`, `shuffle_dataset=False` (the task order is kept; shuffle the dataset yourself or
     set `shuffle_dataset=True` for per-epoch shuffling), `save_strategy="no"`, `logging_nan_inf_filter=False` (a
-    non-finite loss is an error, never silently replaced), `per_device_train_batch_size` (four task items per
-    step), `bf16`, which is on only where the device runs bf16 matrix products natively (GPUs with bf16, CPUs with
+    non-finite loss is an error, never silently replaced), `steps_per_generation` (up to five updates' items
+    sampled at once), `bf16`, which is on only where the device runs bf16 matrix products natively (GPUs with bf16, CPUs with
     AMX or AVX512-BF16; generation then runs under bf16 autocast too), and `gradient_checkpointing`, off on the
     CPU (where it only costs time) and TRL's `True` elsewhere. On a CPU-only machine `use_cpu` is turned on (so
     that `torchrun` starts a real multi-process CPU group).
@@ -204,12 +221,18 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     num_generations: int | None = field(default=4, metadata={"help": "Completions per agent per task item (K)."})
     per_device_train_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Completions per agent per device and micro-step; None: 4 * num_generations (4 items)."},
+        metadata={
+            "help": "Completions per agent per device and micro-step; None: num_generations (one item per update)."
+        },
     )
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in the backward pass; None: off on CPU, on elsewhere."}
     )
-    top_k: int | None = field(default=None, metadata={"help": "Top-k filtering; None or 0 disables it."})
+    # Sampling: CoMLRL's values. At TRL's temperature 1.0 (no top-p or top-k) the agents learned less per update
+    # on the tutorial, evaluated alike (docs/benchmarks.md, "Learning").
+    temperature: float = field(default=0.6, metadata={"help": "Sampling temperature (TRL divides logits by it)."})
+    top_p: float = field(default=0.6, metadata={"help": "Nucleus sampling: keep the top tokens of this mass."})
+    top_k: int | None = field(default=50, metadata={"help": "Top-k filtering; None or 0 disables it."})
     max_prompt_length: int | None = field(
         default=2048, metadata={"help": "Truncate longer prompts from the left (with a warning); None: no limit."}
     )
@@ -242,10 +265,16 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         if self.top_k is None:
             self.top_k = 0
         self._check_num_generations()
-        # Whether the batch size follows the training set (`fit_batch_to_dataset`): the default does, a set value not.
-        self.batch_size_from_default = self.per_device_train_batch_size is None and self._default_batch_fits_dataset
         if self.per_device_train_batch_size is None:
             self.per_device_train_batch_size = self._default_batch_size()
+        # Whether steps_per_generation follows the training set (`fit_generation_to_dataset`): the default does.
+        self.generation_from_default = (
+            self._default_generation_spans_updates
+            and self.steps_per_generation is None
+            and self.generation_batch_size is None
+        )
+        if self.generation_from_default:
+            self.steps_per_generation = self.gradient_accumulation_steps * _DEFAULT_MAX_STEPS_PER_GENERATION
         if not self.use_cpu and not torch.accelerator.is_available():
             warn_if_cuda_expected()
             # Without an accelerator, Accelerate only forms a multi-process CPU group (gloo) when told it runs on
@@ -277,8 +306,8 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
                 f"num_generations must be >= 2 (the group baseline needs several samples), got {self.num_generations}."
             )
 
-    # The default batch size is `_DEFAULT_ITEMS_PER_STEP` items, lowered to fit small training sets.
-    _default_batch_fits_dataset = True
+    # Whether an unset steps_per_generation samples several updates' task items at once (fitted to the training set).
+    _default_generation_spans_updates = True
 
     def _default_batch_size(self) -> int:
         return self.num_generations * _DEFAULT_ITEMS_PER_STEP
@@ -294,29 +323,39 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             self.mixed_precision = "no"  # TrainingArguments derived it from bf16 when it was built
         self.bf16_from_default = False
 
-    def fit_batch_to_dataset(self, num_items: int, evaluates: bool = False) -> None:
-        """With the default batch size, take fewer items per step where four would change what an epoch does.
+    def fit_generation_to_dataset(self, num_items: int, evaluates: bool = False) -> None:
+        """With the default steps_per_generation, sample fewer updates' items at once where the default would change
+        what an epoch does.
 
-        TRL drops an epoch's last incomplete step; one item per device per step leaves out only
-        `num_items % world_size`. The default takes the largest number of items per step, at most four, that leaves
-        out no more than that (16 items train in steps of 4, 6 items in steps of 3, 7 items in steps of 1) and, when
-        the trainer `evaluates` periodically, divides `eval_interval`, so that evaluations still come every
-        `eval_interval` items (they run between steps).
+        TRL samples `generation_batch_size` rows at a time and drops an epoch's last incomplete generation batch.
+        Generating for one optimiser update at a time (TRL's default, `steps_per_generation =
+        gradient_accumulation_steps`) leaves out the fewest items; the default generates for the largest number of
+        updates, at most `_DEFAULT_MAX_STEPS_PER_GENERATION`, that leaves out no more than that (10 items of one item
+        per update: 5 updates per generation, 16 items: 4, 7 items: 1) and, when the trainer `evaluates`
+        periodically, divides `eval_interval`, so that evaluations still come every `eval_interval` items (they run
+        between generations).
         """
-        if not self.batch_size_from_default:
+        if not self.generation_from_default:
             return
-        processes = self.world_size
-        kept = num_items // processes * processes
+        rows_per_update = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        if rows_per_update % self.num_generations:
+            # Several updates per generation would split a group of completions; generate for each update.
+            updates = 1
+        else:
+            items_per_update = rows_per_update // self.num_generations
 
-        def fits(items: int) -> bool:
-            whole_epoch = num_items // (items * processes) * items * processes == kept
-            return whole_epoch and not (
-                evaluates and self.eval_interval > 0 and self.eval_interval % (items * processes)
-            )
+            def kept(updates: int) -> int:
+                per_generation = items_per_update * updates
+                return num_items // per_generation * per_generation
 
-        items = next((i for i in range(_DEFAULT_ITEMS_PER_STEP, 1, -1) if fits(i)), 1)  # 1: as TRL would do
-        self.per_device_train_batch_size = items * self.num_generations
-        self.generation_batch_size = self.per_device_train_batch_size * processes * self.steps_per_generation
+            def fits(updates: int) -> bool:
+                return kept(updates) == kept(1) and not (
+                    evaluates and self.eval_interval > 0 and self.eval_interval % (items_per_update * updates)
+                )
+
+            updates = next((u for u in range(_DEFAULT_MAX_STEPS_PER_GENERATION, 1, -1) if fits(u)), 1)
+        self.steps_per_generation = self.gradient_accumulation_steps * updates
+        self.generation_batch_size = self.per_device_train_batch_size * self.world_size * self.steps_per_generation
 
     def _validate_multi_agent_fields(self):
         if self.max_prompt_length is not None and (

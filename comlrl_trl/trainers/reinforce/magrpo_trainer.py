@@ -162,7 +162,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         models = [saved_adapter_or(source) for source in sources]
         args.fit_precision_to_models(models)
         if isinstance(train_dataset, Dataset):
-            args.fit_batch_to_dataset(len(train_dataset), evaluates=eval_dataset is not None)
+            args.fit_generation_to_dataset(len(train_dataset), evaluates=eval_dataset is not None)
         # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
         # the Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
         agent_args = [agent_config(args, 0), *(_follower_args(args, i) for i in range(1, n))]

@@ -1,0 +1,96 @@
+"""The seed tutorial's task and one evaluation protocol, shared by comlrl_trl's and the peer's learning runs.
+
+Imports nothing from either package (the peer's worker runs in its own virtual environment), only torch and
+transformers. The protocol scores a team on fixed prompts with fixed sampling settings, whatever each package
+samples at during training, so that rewards are comparable across packages:
+
+- the prompts as plain text (no chat template), `max_new_tokens` new tokens;
+- `samples` completions per prompt at temperature 1.0 (no top-p or top-k) from a fixed seed, and one greedy
+  completion;
+- the tutorial's length-ratio reward of each joint completion (agent 0's and agent 1's i-th completions);
+- the score is the mean of the sampled mean and the greedy mean.
+"""
+
+import math
+
+import torch
+
+
+#: The tutorial's ten training prompts (CoMLRL documentation, "长度比训练").
+TRAIN_PROMPTS = [
+    "Describe a city in the clouds:",
+    "Invent a new holiday and explain it:",
+    "Write a bedtime story for a dragon:",
+    "Explain how teleportation might work:",
+    "Tell a joke about dinosaurs:",
+    "Describe a world without electricity:",
+    "Create a superhero with a unique power:",
+    "Write a scene where the moon talks:",
+    "Invent a new type of fruit:",
+    "Design a playground on Mars:",
+]
+
+#: Ten prompts of the same kind that no run trains on.
+HELD_OUT_PROMPTS = [
+    "Describe a forest that grows underwater:",
+    "Invent a new board game and explain the rules:",
+    "Write a lullaby for a robot:",
+    "Explain how a time machine might work:",
+    "Tell a joke about penguins:",
+    "Describe a world without music:",
+    "Create a villain who is afraid of the dark:",
+    "Write a scene where the sun gets tired:",
+    "Invent a new kind of vehicle:",
+    "Design a school on the moon:",
+]
+
+
+def length_ratio_reward(completions1, completions2, target_min=2.0, target_max=3.0):
+    """The tutorial's reward: 1 when len(second) / len(first) is in [target_min, target_max], else exp(-distance)."""
+    rewards = []
+    for c1, c2 in zip(completions1, completions2):
+        if len(c1) == 0:
+            rewards.append(0.0)
+            continue
+        ratio = len(c2) / len(c1)
+        distance = max(target_min - ratio, ratio - target_max, 0.0)
+        rewards.append(float(math.exp(-distance)))
+    return rewards
+
+
+@torch.no_grad()
+def _complete(model, tokenizer, prompts, max_new_tokens, samples, seed):
+    """`samples` completions per prompt (0: one greedy completion), decoded without special tokens."""
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    if samples:
+        kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=samples)
+        torch.manual_seed(seed)
+    else:
+        kwargs.update(do_sample=False)
+    out = model.generate(**batch, **kwargs)
+    if was_training:
+        model.train()
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    return texts
+
+
+def evaluate_team(models, tokenizers, prompts, max_new_tokens=48, samples=4, seed=1234) -> dict:
+    """The protocol above for a team of two; returns the sampled, greedy and combined mean rewards."""
+    if len(models) != 2:
+        raise ValueError(f"the length-ratio task has two agents, got {len(models)} models")
+    result = {}
+    for name, count in (("sampled", samples), ("greedy", 0)):
+        texts = [
+            _complete(model, tokenizer, prompts, max_new_tokens, count, seed + agent)
+            for agent, (model, tokenizer) in enumerate(zip(models, tokenizers))
+        ]
+        rewards = length_ratio_reward(*texts)
+        result[name] = sum(rewards) / len(rewards)
+    result["reward"] = (result["sampled"] + result["greedy"]) / 2
+    return result

@@ -1,0 +1,174 @@
+"""One learning run per process: `python learning_worker.py {ours|peer|initial} JSON_SETTINGS` prints one JSON line.
+
+The run is the seed tutorial (two agents, the length-ratio reward scaled by 100, the ten tutorial prompts) written
+as a user writes it with either package: the tutorial's settings (`epochs`, `lr`, `k`, `tokens`) and each
+package's defaults for everything else, plus `overrides` (ours only: labelled rows that change a default). The team
+is evaluated with `learning_task.evaluate_team` after every epoch (the untrained team once, by `initial`: it is the
+same for every system and seed); the CPU seconds of `train()` are counted without the evaluations. The peer worker runs in the peer's own virtual environment
+(comlrl 1.4.3) and imports nothing from this repository but `learning_task.py`.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learning_task import HELD_OUT_PROMPTS, TRAIN_PROMPTS, evaluate_team, length_ratio_reward  # noqa: E402
+from workers import cpu_seconds  # noqa: E402
+
+
+class Clock:
+    """CPU seconds spent training: the process's CPU time less the time spent evaluating."""
+
+    def __init__(self):
+        self.start = cpu_seconds()
+        self.evaluating = 0.0
+
+    def training(self) -> float:
+        return cpu_seconds() - self.start - self.evaluating
+
+
+def evaluation_point(s, clock, models, tokenizers, epoch, updates):
+    """Evaluate on the training prompts; after the last epoch on the held-out prompts too."""
+    begin = cpu_seconds()
+    train = evaluate_team(models, tokenizers, TRAIN_PROMPTS, s["tokens"], s["eval_samples"])
+    point = {"epoch": epoch, "updates": updates, **train}
+    if epoch == s["epochs"]:
+        point["held_out"] = evaluate_team(models, tokenizers, HELD_OUT_PROMPTS, s["tokens"], s["eval_samples"])
+    clock.evaluating += cpu_seconds() - begin
+    point["train_cpu_s"] = clock.training()
+    print(json.dumps({"point": point}), file=sys.stderr, flush=True)
+    return point
+
+
+def load_team(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    agents = [AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) for _ in range(2)]
+    return tokenizer, agents
+
+
+def seed_everything(seed):
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_ours(s):
+    from transformers import TrainerCallback
+
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    from comlrl_trl.utils.reward_processor import RewardProcessors
+
+    seed_everything(s["seed"])
+    tokenizer, agents = load_team(s["model"])
+    config = MAGRPOConfig(
+        output_dir=s["output_dir"],
+        num_train_epochs=s["epochs"],
+        agent_learning_rate=s["lr"],
+        logging_steps=10,
+        num_generations=s["k"],
+        num_turns=1,
+        max_new_tokens=s["tokens"],
+        seed=s["seed"],
+        report_to="none",
+        disable_tqdm=True,
+        **s["overrides"],
+    )
+    points = []
+    clock = None
+
+    class EvaluateEachEpoch(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            epoch = len(points) + 1
+            points.append(evaluation_point(s, clock, trainer.agents, [tokenizer] * 2, epoch, state.global_step))
+
+    trainer = MAGRPOTrainer(
+        agents=agents,
+        reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
+        reward_processor=RewardProcessors.scale(factor=100.0),
+        args=config,
+        train_dataset=_dataset(),
+        tokenizer=tokenizer,
+        callbacks=[EvaluateEachEpoch()],
+    )
+    clock = Clock()
+    trainer.train()
+    return points, trainer.state.global_step
+
+
+def run_peer(s):
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    from comlrl.utils.reward_processor import RewardProcessors
+
+    seed_everything(s["seed"])
+    tokenizer, agents = load_team(s["model"])
+    config = MAGRPOConfig(
+        num_train_epochs=1,  # one epoch per train() call, so that the team is evaluated between epochs
+        agent_learning_rate=s["lr"],
+        logging_steps=10,
+        num_generations=s["k"],
+        num_turns=1,
+        max_new_tokens=s["tokens"],
+    )
+    trainer = MAGRPOTrainer(
+        agents=agents,
+        reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
+        reward_processor=RewardProcessors.scale(factor=100.0),
+        args=config,
+        train_dataset=_dataset(),
+        tokenizer=tokenizer,
+    )
+    steps = []
+    optimizer = trainer.optimizers[-1]  # agents update in turn: a team update ends with the last one's
+    original_step = optimizer.step
+
+    def counted_step(*args, **kwargs):
+        steps.append(1)
+        return original_step(*args, **kwargs)
+
+    optimizer.step = counted_step
+    clock = Clock()
+    points = []
+    for epoch in range(1, s["epochs"] + 1):
+        trainer.train()
+        points.append(evaluation_point(s, clock, trainer.agents, [tokenizer] * 2, epoch, len(steps)))
+    return points, len(steps)
+
+
+def run_initial(s):
+    """The untrained team's evaluation: the same for every system and seed, so it is measured once."""
+    tokenizer, agents = load_team(s["model"])
+    held_out = evaluate_team(agents, [tokenizer] * 2, HELD_OUT_PROMPTS, s["tokens"], s["eval_samples"])
+    train = evaluate_team(agents, [tokenizer] * 2, TRAIN_PROMPTS, s["tokens"], s["eval_samples"])
+    return [{"epoch": 0, "updates": 0, **train, "held_out": held_out, "train_cpu_s": 0.0}], 0
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": TRAIN_PROMPTS})
+
+
+def main():
+    system, settings = sys.argv[1], json.loads(sys.argv[2])
+    settings.setdefault("overrides", {})
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    wall = time.perf_counter()
+    points, updates = {"ours": run_ours, "peer": run_peer, "initial": run_initial}[system](settings)
+    print(json.dumps({"points": points, "updates": updates, "wall_s": time.perf_counter() - wall}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The learning benchmark's arithmetic (benchmarks/learning.py) and its evaluation reward, with hand-worked values."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import learning  # noqa: E402
+from learning_task import length_ratio_reward  # noqa: E402
+
+
+def _run(seed, points):
+    return {"seed": seed, "updates": 30, "points": points}
+
+
+def _point(epoch, reward, cpu):
+    return {"epoch": epoch, "reward": reward, "train_cpu_s": cpu}
+
+
+def test_summary_averages_seeds_per_epoch_and_keeps_the_spread():
+    runs = [
+        _run(0, [_point(1, 0.4, 100.0), _point(2, 0.6, 200.0)]),
+        _run(1, [_point(1, 0.5, 110.0), _point(2, 0.8, 220.0)]),
+    ]
+    summary = learning.summarise("ours", runs)
+    assert [p["reward_mean"] for p in summary["per_epoch"]] == pytest.approx([0.45, 0.7])
+    assert (summary["per_epoch"][1]["reward_min"], summary["per_epoch"][1]["reward_max"]) == (0.6, 0.8)
+    assert summary["cpu_s"] == pytest.approx(210.0)
+    assert summary["final_reward"] == pytest.approx(0.7)
+
+
+def test_cpu_to_reach_interpolates_between_evaluations():
+    summary = {
+        "per_epoch": [
+            {"reward_mean": 0.4, "cpu_s_mean": 100.0},
+            {"reward_mean": 0.6, "cpu_s_mean": 200.0},
+        ]
+    }
+    # 0.5 lies halfway from 0.4 to 0.6: halfway from 100 to 200 CPU seconds.
+    assert learning.cpu_to_reach(summary, 0.5) == pytest.approx(150.0)
+    assert learning.cpu_to_reach(summary, 0.3) == 100.0  # reached at the first evaluation
+    assert learning.cpu_to_reach(summary, 0.61) is None  # never reached
+
+
+def test_extra_rows_parse_labels_and_json_values():
+    assert learning.parse_row("on-policy=steps_per_generation=1,temperature=1.0") == (
+        "on-policy",
+        {"steps_per_generation": 1, "temperature": 1.0},
+    )
+    assert learning.parse_row("sched=lr_scheduler_type=constant") == ("sched", {"lr_scheduler_type": "constant"})
+    with pytest.raises(Exception, match="key=value"):
+        learning.parse_row("broken=steps_per_generation")
+
+
+def test_evaluation_reward_is_the_tutorial_reward():
+    # 10 and 25 characters: ratio 2.5, inside [2, 3] -> 1. 10 and 40: ratio 4, 1 above 3 -> exp(-1).
+    # 10 and 15: ratio 1.5, 0.5 below 2 -> exp(-0.5). An empty first answer scores 0.
+    rewards = length_ratio_reward(["a" * 10, "a" * 10, "a" * 10, ""], ["b" * 25, "b" * 40, "b" * 15, "b"])
+    assert rewards == pytest.approx([1.0, math.exp(-1.0), math.exp(-0.5), 0.0])
