@@ -58,7 +58,7 @@ def make_config(tmp_path):
         if config_cls._default_generation_spans_updates and not (
             {"steps_per_generation", "generation_batch_size"} & overrides.keys()
         ):
-            # One generation per optimiser update, TRL's default (ours samples up to five updates' items at once):
+            # One generation per optimiser update, TRL's default (ours samples up to two updates' items at once):
             # these tests count generations, steps, logs and evaluations per update. tests/test_generation_batching.py
             # tests our default.
             settings["steps_per_generation"] = overrides.get("gradient_accumulation_steps", 1)

@@ -75,7 +75,7 @@ def test_defaults(out):
     assert cfg.max_new_tokens == 256
     assert cfg.num_generations == 4
     assert cfg.per_device_train_batch_size == cfg.num_generations  # one task item per optimiser update
-    assert cfg.steps_per_generation == 5  # up to five updates sampled at once, fitted to the training set later
+    assert cfg.steps_per_generation == 2  # up to two updates sampled at once, fitted to the training set later
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
     assert (cfg.temperature, cfg.top_p, cfg.top_k) == (0.6, 0.6, 50)  # CoMLRL's sampling, not TRL's (1.0, 1.0, 0)
@@ -346,17 +346,14 @@ def test_config_warns_when_a_gpu_is_expected_but_torch_sees_none(monkeypatch, tm
 @pytest.mark.parametrize(
     "num_items, evaluates, eval_interval, updates_per_generation",
     [
-        (10, False, 16, 5),  # the tutorial: two generations of 5 items per epoch
-        (16, False, 16, 4),  # 5 would leave one item out (3 x 5 = 15); 4 keeps all 16
-        (20, False, 16, 5),
-        (7, False, 16, 1),  # 7 is prime: any batch of 2-5 items drops some
-        (6, False, 16, 3),
-        (3, False, 16, 3),
+        (10, False, 16, 2),  # the tutorial: five generations of 2 items per epoch
+        (16, False, 16, 2),
+        (7, False, 16, 1),  # generations of 2 items would leave the seventh out (3 x 2 = 6)
+        (3, False, 16, 1),
         (1, False, 16, 1),
-        (10, True, 16, 2),  # 5 does not divide eval_interval=16, 2 does and keeps all 10 items
-        (16, True, 6, 2),  # 3 divides 6 but leaves 16 - 15 = 1 item out, which 1 would not: 2 (8 x 2 = 16, 6 % 2 = 0)
-        (16, True, 1, 1),
-        (16, False, 1, 4),  # eval_interval counts only with evaluations
+        (10, True, 16, 2),  # 2 divides eval_interval=16
+        (10, True, 5, 1),  # 2 does not divide eval_interval=5
+        (16, False, 5, 2),  # eval_interval counts only with evaluations
     ],
 )
 def test_default_generation_fits_the_training_set(out, num_items, evaluates, eval_interval, updates_per_generation):
@@ -368,10 +365,14 @@ def test_default_generation_fits_the_training_set(out, num_items, evaluates, eva
 
 
 def test_default_generation_spans_accumulation_steps(out):
-    # Two micro-steps per update: 10 items make 5 updates of 2 items, generated 5 updates (10 micro-steps) at once.
+    # Two micro-steps per update: 12 items make 6 updates of 2 items, generated 2 updates (4 micro-steps) at once.
+    cfg = config(out, num_generations=3, gradient_accumulation_steps=2)
+    cfg.fit_generation_to_dataset(12)
+    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (4, 12)
+    # 10 items: generations of 4 items would leave 2 out (2 x 4 = 8), so one update (2 micro-steps) at a time.
     cfg = config(out, num_generations=3, gradient_accumulation_steps=2)
     cfg.fit_generation_to_dataset(10)
-    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (10, 30)
+    assert (cfg.steps_per_generation, cfg.generation_batch_size) == (2, 6)
 
 
 def test_a_set_generation_is_never_fitted(out):

@@ -29,9 +29,9 @@ class ParameterChanges(TrainerCallback):
         self.before = now
 
 
-def test_default_samples_five_updates_at_once_and_updates_every_agent_every_step(qwen_path, make_config, monkeypatch):
-    # 10 items, one per update, fitted to 5 updates per generation: 2 generations of 5 items x K=2 = 10 prompts per
-    # agent, and 10 optimiser steps that each change both agents.
+def test_default_samples_two_updates_at_once_and_updates_every_agent_every_step(qwen_path, make_config, monkeypatch):
+    # 10 items, one per update, 2 updates per generation: 5 generations of 2 items x K=2 = 4 prompts per agent, and
+    # 10 optimiser steps that each change both agents.
     calls = []  # (agent index, number of prompts) per generate call
     original = AgentGRPOTrainer.generate
 
@@ -47,11 +47,11 @@ def test_default_samples_five_updates_at_once_and_updates_every_agent_every_step
         train_dataset=TEN_ITEMS,
         args=config,
     )
-    assert (config.per_device_train_batch_size, config.steps_per_generation) == (2, 5)
+    assert (config.per_device_train_batch_size, config.steps_per_generation) == (2, 2)
     changes = ParameterChanges(trainer)
     trainer.add_callback(changes)
     trainer.train()
-    assert calls == [(0, 10), (1, 10), (0, 10), (1, 10)]
+    assert calls == [(0, 4), (1, 4)] * 5
     assert trainer.state.global_step == 10
     assert changes.changed == [[True, True]] * 10
 

@@ -23,11 +23,12 @@ _DEFAULT_MAX_NEW_TOKENS = 256
 # CoMLRL. Four items per update were faster per sample but learned less per epoch (docs/benchmarks.md, "Learning").
 _DEFAULT_ITEMS_PER_STEP = 1
 # Optimiser updates whose task items are sampled in one batched `generate` call when steps_per_generation is left
-# unset (fewer where the training set is small). Decoding is bound by per-token overhead, not by the rows: 20 rows
+# unset (fewer where the training set is small). Decoding is bound by per-token overhead, not by the rows: 8 rows
 # cost about what 4 do, so generation, two thirds of a one-item update on a CPU, is shared by these updates. The
-# later updates of a generation train on samples of slightly older weights, which TRL's clipped importance ratio
-# (old log-probabilities from one scoring forward) corrects.
-_DEFAULT_MAX_STEPS_PER_GENERATION = 5
+# second update of a generation trains on samples of slightly older weights, which TRL's clipped importance ratio
+# (old log-probabilities from one scoring forward) corrects. Five updates per generation were faster still but
+# learned less per epoch (docs/benchmarks.md, "Learning").
+_DEFAULT_MAX_STEPS_PER_GENERATION = 2
 
 
 @dataclass
@@ -112,7 +113,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             item per device per optimiser update, as in TRL and CoMLRL.
         steps_per_generation (`int` or `None`, *optional*, defaults to `None`):
             Micro-steps whose completions are sampled in one `generate` call, as in TRL. `None` samples the task
-            items of up to 5 optimiser updates at once (`5 * gradient_accumulation_steps`), fewer where that would
+            items of up to 2 optimiser updates at once (`2 * gradient_accumulation_steps`), fewer where that would
             leave items of a small training set out of an epoch or not divide `eval_interval`. The later updates of
             a generation are slightly off-policy; TRL's clipped importance ratio corrects them. `1` (with
             `gradient_accumulation_steps=1`) samples for every update, on-policy.
@@ -143,7 +144,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     `top_p=0.6`, `top_k=50`,
     `max_completion_length=256`, `shuffle_dataset=False` (the task order is kept; shuffle the dataset yourself or
     set `shuffle_dataset=True` for per-epoch shuffling), `save_strategy="no"`, `logging_nan_inf_filter=False` (a
-    non-finite loss is an error, never silently replaced), `steps_per_generation` (up to five updates' items
+    non-finite loss is an error, never silently replaced), `steps_per_generation` (up to two updates' items
     sampled at once), `bf16`, which is on only where the device runs bf16 matrix products natively (GPUs with bf16, CPUs with
     AMX or AVX512-BF16; generation then runs under bf16 autocast too), and `gradient_checkpointing`, off on the
     CPU (where it only costs time) and TRL's `True` elsewhere. On a CPU-only machine `use_cpu` is turned on (so
@@ -331,7 +332,7 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
         Generating for one optimiser update at a time (TRL's default, `steps_per_generation =
         gradient_accumulation_steps`) leaves out the fewest items; the default generates for the largest number of
         updates, at most `_DEFAULT_MAX_STEPS_PER_GENERATION`, that leaves out no more than that (10 items of one item
-        per update: 5 updates per generation, 16 items: 4, 7 items: 1) and, when the trainer `evaluates`
+        per update: 2 updates per generation, 7 items: 1) and, when the trainer `evaluates`
         periodically, divides `eval_interval`, so that evaluations still come every `eval_interval` items (they run
         between generations).
         """
