@@ -62,8 +62,10 @@ test-slow: install-demo
 demo: install-demo
 	OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch recipes/magrpo.py --config recipes/configs/length_ratio_smollm2.yaml
 
-## Speed and memory against the peer (CoMLRL 1.4.3) and plain TRL, and the code sandbox; writes benchmarks/results/
+## Learning per CPU second (the tutorial, evaluated alike), speed and memory against the peer (CoMLRL 1.4.3) and
+## plain TRL, and the code sandbox; writes benchmarks/results/
 bench: install-demo bench-sandbox bench-vllm
+	$(PY) benchmarks/learning.py
 	$(PY) benchmarks/bench.py
 
 ## Sandbox throughput (run_python calls/s, a code_feedback reward batch) against benchmarks/results/sandbox-before.json
