@@ -38,7 +38,7 @@ from trl import ModelConfig
 from user_data import TASKS, DataArguments, load_task
 
 from comlrl_trl.compat import CompatTrlParser
-from comlrl_trl.team_settings import TEAM_SETTINGS_NAME, read_team_settings
+from comlrl_trl.team_settings import GENERATION_FIELDS, TEAM_SETTINGS_NAME, read_team_settings
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
@@ -91,20 +91,10 @@ OVERRIDE_NAMES = {"max_completion_length": ("max_new_tokens", "max_completion_le
 NOT_APPLIED = ("num_generations", "num_agents")
 # The data and reward of a run: taken from the saved run together, only when the user gives none of them.
 DATA_SETTINGS = ("task", "dataset_name", "dataset_config", "prompt_column", "reward_func")
-# Settings listed with their source in the printout and in the report.
+# Settings listed with their source in the printout and in the report: the saved ones that apply, the per-agent
+# overrides, the prompt format and the data.
 REPORTED = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "generation_kwargs",
-    "max_prompt_length",
-    "num_turns",
-    "discount",
-    "early_termination_threshold",
-    "external_prompt_passthrough",
+    *(name for name in GENERATION_FIELDS if name not in NOT_APPLIED),
     "agent_overrides",
     "chat",
     *DATA_SETTINGS,

@@ -153,9 +153,9 @@ def test_evaluate_saved_lora_agents_on_user_data(qwen_path, tmp_path, monkeypatc
     assert values["reward_func"] == {"value": "rewards:score", "source": "saved run"}
     assert values["prompt_column"] == {"value": "text", "source": "saved run"}
     assert values["chat"] == {"value": True, "source": "saved run"}
-    # 4 new tokens at T=1.0 as in training, not evaluate's 256 at T=0.8
+    # 4 new tokens at T=0.6 (the library default) as in training, not evaluate's 256 at T=0.8
     assert values["max_new_tokens"] == {"value": 4, "source": "saved run"}
-    assert values["temperature"] == {"value": 1.0, "source": "saved run"}
+    assert values["temperature"] == {"value": 0.6, "source": "saved run"}
     assert values["dataset_test_split"] == {"value": "train", "source": "user"}
     assert saved["settings"]["file"] == str(models / "team_settings.json")
     with pytest.raises(ValueError, match="no agent_0, agent_1"):
