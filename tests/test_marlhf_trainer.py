@@ -625,7 +625,7 @@ out = sys.argv[1]
 items = Dataset.from_dict({"prompt": [f"Item {i}: tell me" for i in range(4)]})
 common = dict(num_generations=2, max_new_tokens=8, learning_rate=0.05, logging_steps=1, report_to="none",
               gradient_checkpointing=False, num_train_epochs=1, eval_interval=1, preference_num_candidates=4,
-              preference_pairs_per_sample=2)
+              preference_pairs_per_sample=2, temperature=1.0, top_p=1.0, top_k=0)  # diverse candidates: no ties
 marlhf = MARLHFTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=items,
                        eval_dataset=items.select(range(2)),
                        args=MARLHFConfig(output_dir=out + "/marlhf", reward_learning_rate=1e-3, **common))

@@ -466,7 +466,7 @@ def test_codec_decoding_is_bounded_in_time_and_by_hash_collisions():
     fine = codec.encode({k * (2**61 - 1) for k in range(codec.MAX_EQUAL_HASHES)} | set(range(1, 200)))
     assert len(codec.decode(fine)) == codec.MAX_EQUAL_HASHES + 199
     many = codec.encode([[i] for i in range(20000)])
-    assert len(codec.decode(many)) == 20000
+    assert len(codec.decode(many, max_seconds=10.0)) == 20000  # the cap, not the machine, decides below
     with pytest.raises(ValueError, match="too long to decode"):
         codec.decode(many, max_seconds=0.0)
 

@@ -391,7 +391,7 @@ class TeamVLLM(_TeamSampling):
         self._groups = plan_weights(models, lora_mode)
         self._group_of = {agent: g for g, group in enumerate(self._groups) for agent in group}
         self._lora_group = [lora_mode == "adapter" and _is_lora_adapter(models[group[0]]) for group in self._groups]
-        self._models = list(models)
+        self._agent_models = list(models)
         self._resident: int | None = None  # the group whose weights the engine holds (None: random or dropped)
         self._stale: set[int] = set()  # groups whose weights changed since they were loaded
         self._asleep: int | None = None  # the sleep level the engine is in
@@ -476,7 +476,7 @@ class TeamVLLM(_TeamSampling):
         if self._resident == group and group not in self._stale:
             return
         start = time.perf_counter()
-        model = self._models[self._groups[group][0]]
+        model = self._agent_models[self._groups[group][0]]
         with torch.no_grad():
             if self._lora_group[group]:
                 self._reload(_base_weights(model))
@@ -506,7 +506,7 @@ class TeamVLLM(_TeamSampling):
                 f"`model` for agent {agent_index} must be a LoRA adapter, like the model the engine was built "
                 "from: pass the same agent model to sync."
             )
-        self._models[agent_index] = model
+        self._agent_models[agent_index] = model
         if not self._lora_group[group]:
             self._stale.add(group)
             return
