@@ -143,6 +143,7 @@ def test_the_vllm_correction_from_the_loss_forward_equals_trls(qwen_path, make_c
     logprobs = [(own[i, : len(c)] + shift[: len(c)]).tolist() for i, c in enumerate(rollout.completion_ids)]
     rollout = rollout._replace(logprobs=logprobs)
     trainer.use_vllm = True
+    trainer.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
     advantages = torch.tensor([-1.0, 0.0, 0.5, 2.0])  # a non-zero sum: equal ratios would not cancel out
 
     def loss_and_gradients(ratio_from_loss):
@@ -175,6 +176,7 @@ def test_the_correction_comes_from_the_loss_forward_only_on_policy(qwen_path, ma
     )
     assert not trainer.ratio_from_loss_forward  # no vLLM: nothing to correct
     trainer.use_vllm = True
+    trainer.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
     assert trainer.ratio_from_loss_forward
     trainer.num_iterations = 2  # a second pass over the samples after an optimiser step: TRL's scoring forward
     trainer.args.gradient_accumulation_steps = 1

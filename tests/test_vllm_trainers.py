@@ -118,7 +118,8 @@ def _changed(before, trainer) -> list[bool]:
 
 
 def _vllm_config(make_config, config_cls=None, **overrides):
-    settings = dict(use_vllm=True, num_generations=2, max_new_tokens=6, max_steps=2, bf16=False)
+    # Untruncated sampling: the importance-sampling correction is on (under the default top-p/top-k it is off).
+    settings = dict(use_vllm=True, num_generations=2, max_new_tokens=6, max_steps=2, bf16=False, top_p=1.0, top_k=0)
     settings.update(overrides)
     return make_config(**settings) if config_cls is None else make_config(config_cls, **settings)
 
@@ -169,6 +170,25 @@ def test_a_lora_team_shares_one_engine_and_every_adapter_trains(lora_mode, group
     trainer.train()
     assert _changed(before, trainer) == [True, True]
     assert {agent for agent, _ in calls["generate"]} == {0, 1}
+
+
+def test_under_the_default_truncated_sampling_the_correction_is_off_and_every_agent_trains(model_path, make_config):
+    # vLLM's log-probabilities under top-p 0.6 / top-k 50 are the truncated distribution's: TRL's sequence_mask
+    # would drop nearly every sequence (ratios near 1e-6 were measured here), so the unset correction is off.
+    args = _vllm_config(make_config, top_p=0.6, top_k=50)
+    assert args.vllm_importance_sampling_correction is None
+    trainer = MAGRPOTrainer(agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=args)
+    assert [agent.vllm_importance_sampling_correction for agent in trainer.agent_trainers] == [False, False]
+    before = _weights(trainer)
+    trainer.train()
+    assert _changed(before, trainer) == [True, True]
+    assert sampling_ratios(trainer) == []  # no ratio was computed or logged
+
+
+def test_the_correction_with_truncated_sampling_is_refused_at_construction(model_path, make_config):
+    args = _vllm_config(make_config, top_p=0.6, top_k=50, vllm_importance_sampling_correction=True)
+    with pytest.raises(ValueError, match=r"Agent 0: vllm_importance_sampling_correction=True with truncated sampling"):
+        MAGRPOTrainer(agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=args)
 
 
 def test_multi_turn_generates_every_turn_through_the_engines(model_path, make_config, calls):

@@ -27,7 +27,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from ..core.importance import importance_sampling_ratio, logp_differences
+from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from ..inputs import fill_small_training_set
 
 
@@ -131,6 +131,9 @@ class AgentGRPOTrainer(GRPOTrainer):
         engine's sampling log-probabilities.
         """
         self.use_vllm = True
+        self.vllm_importance_sampling_correction = resolve_correction(
+            self.args.vllm_importance_sampling_correction, self.top_p, self.top_k, self.min_p, self.agent_index
+        )
         self.vllm_generation = _TeamEngineSync(engines, self)
         self._last_loaded_step = -1  # sync before the first generation (weights may have been loaded since)
         self.rollout_func = _engine_rollout
@@ -165,7 +168,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         scoring forward's, so the ratio and the loss are the same as TRL's, one forward pass cheaper per generation.
         """
         every = self.args.steps_per_generation * self.num_iterations
-        return (
+        return bool(
             self.use_vllm
             and self.vllm_importance_sampling_correction
             and self.args.gradient_accumulation_steps % every == 0

@@ -17,6 +17,38 @@ ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_trunc
 _MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+def sampling_truncates(top_p: float | None, top_k: int | None, min_p: float | None) -> bool:
+    """Whether sampling leaves tokens out (top-p below 1, top-k above 0, min-p above 0).
+
+    vLLM then reports each sampled token's log-probability under the renormalised, truncated distribution, which is
+    always at least the trainer's (temperature-only) one: the ratio measures the truncation, not the engine.
+    """
+    return (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0) or bool(min_p)
+
+
+def resolve_correction(
+    setting: bool | None, top_p: float | None, top_k: int | None, min_p: float | None, agent_index: int
+) -> bool:
+    """Whether an agent corrects its vLLM samples (`vllm_importance_sampling_correction`, `setting`).
+
+    Under truncated sampling the ratio is below 1 for nearly every token, so TRL's default `sequence_mask` would
+    drop nearly every sequence from the loss. Unset (None), the correction is on only where sampling does not
+    truncate; set True with truncated sampling, it is refused.
+    """
+    truncates = sampling_truncates(top_p, top_k, min_p)
+    if setting is None:
+        return not truncates
+    if setting and truncates:
+        raise ValueError(
+            f"Agent {agent_index}: vllm_importance_sampling_correction=True with truncated sampling "
+            f"(top_p={top_p}, top_k={top_k}, min_p={min_p}). vLLM's log-probabilities are those of the truncated "
+            "distribution and the trainer's are not, so the ratio would weight (or mask) nearly every sequence down. "
+            "Set top_p=1.0, top_k=0 and min_p=None to correct for the engine, or leave "
+            "vllm_importance_sampling_correction unset (None)."
+        )
+    return bool(setting)
+
+
 def logp_differences(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`trainer - sampling` log-probability per completion token, 0 on padding and where the engine gave no
     log-probability (NaN): such a token is not corrected, rather than turning the loss into NaN."""

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from comlrl_trl.core.importance import importance_sampling_ratio, logp_differences
+from comlrl_trl.core.importance import (
+    importance_sampling_ratio,
+    logp_differences,
+    resolve_correction,
+    sampling_truncates,
+)
 
 
 # Two completions of three token slots. Row 0: differences trainer - sampler = +0.5, -1.0, then padding.
@@ -53,3 +58,36 @@ def test_no_bounds_leave_the_ratio_as_it_is():
 def test_an_unknown_mode_names_the_setting_and_the_choices():
     with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode must be one of .*token_truncate.*'tokens'"):
         importance_sampling_ratio(TRAINER, SAMPLER, MASK, "tokens", clip_min=None, clip_max=3.0)
+
+
+@pytest.mark.parametrize(
+    "top_p, top_k, min_p, truncates",
+    [
+        (1.0, 0, None, False),  # the whole distribution
+        (None, None, None, False),
+        (0.6, 0, None, True),  # nucleus
+        (1.0, 50, None, True),  # top-k
+        (1.0, 0, 0.05, True),  # min-p
+        (1.0, 0, 0.0, False),
+        (0.6, 50, None, True),  # the library default
+    ],
+)
+def test_sampling_truncates_when_any_filter_leaves_tokens_out(top_p, top_k, min_p, truncates):
+    assert sampling_truncates(top_p, top_k, min_p) is truncates
+
+
+def test_unset_correction_is_on_only_for_untruncated_sampling():
+    assert resolve_correction(None, 1.0, 0, None, 0) is True
+    assert resolve_correction(None, 0.6, 50, None, 0) is False
+    assert resolve_correction(None, 1.0, 0, 0.1, 0) is False
+
+
+def test_an_explicit_setting_is_kept_where_it_is_sound():
+    assert resolve_correction(True, 1.0, 0, None, 0) is True
+    assert resolve_correction(False, 1.0, 0, None, 0) is False
+    assert resolve_correction(False, 0.6, 50, None, 0) is False
+
+
+def test_correction_with_truncated_sampling_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"Agent 1: vllm_importance_sampling_correction=True .*top_p=0.9.*top_p=1.0"):
+        resolve_correction(True, 0.9, 0, None, 1)

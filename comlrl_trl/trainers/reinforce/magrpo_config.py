@@ -93,6 +93,12 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
             engine before it generates (faster where vLLM's LoRA kernels are slow, e.g. CPUs without AMX). With TRL's
             `vllm_mode="server"` and `vllm_server_base_url`, LoRA agents on one base model generate through a
             running vLLM server instead, which loads each agent's adapter after each of its steps (docs/vllm.md).
+        vllm_importance_sampling_correction (`bool` or `None`, *optional*, defaults to `None`):
+            With `use_vllm=True`: TRL's correction, which weights each sample by the trainer's over the engine's
+            probability. vLLM reports probabilities after top-p/top-k/min-p truncation and the trainer does not, so
+            under truncated sampling (the default `top_p=0.6`, `top_k=50`) the ratio is far below 1 for nearly every
+            sequence, and TRL's default `sequence_mask` would leave them out of the loss. `None` turns it on only
+            where sampling does not truncate; `True` with truncated sampling raises a `ValueError`.
         vllm_server_request_timeout (`float`, *optional*, defaults to `600.0`):
             With `vllm_mode="server"`: seconds to wait for the server's answer to any one request (a sample, an
             adapter load) before raising. The server's API key comes from the `VLLM_API_KEY` environment variable.
@@ -234,6 +240,13 @@ class MAGRPOConfig(CoMLRLFieldErrors, GRPOConfig):
     temperature: float = field(default=0.6, metadata={"help": "Sampling temperature (TRL divides logits by it)."})
     top_p: float = field(default=0.6, metadata={"help": "Nucleus sampling: keep the top tokens of this mass."})
     top_k: int | None = field(default=50, metadata={"help": "Top-k filtering; None or 0 disables it."})
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With use_vllm: weight each sample by trainer/engine probability (TRL's correction). None: on "
+            "where sampling does not truncate (top_p=1, top_k=0, no min_p); True with truncated sampling is refused."
+        },
+    )
     max_prompt_length: int | None = field(
         default=2048, metadata={"help": "Truncate longer prompts from the left (with a warning); None: no limit."}
     )
