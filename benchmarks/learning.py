@@ -175,7 +175,7 @@ def main():
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from comlrl_trl.models import demo_model_path
+    from comlrl_trl.demo_model import demo_model_path
 
     base = {"model": demo_model_path(), "epochs": args.epochs, "lr": 5e-5, "k": 4, "tokens": 48, "eval_samples": 4}
     if "peer" in args.systems:

