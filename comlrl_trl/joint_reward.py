@@ -1,4 +1,5 @@
-"""The joint reward contract: how trainers call the user's reward function and check what it returns."""
+"""The joint reward contract: how trainers call the user's reward function and check what it returns, and the
+reward processors applied to every value it returns (documented at `comlrl_trl.utils.reward_processor`)."""
 
 import inspect
 import math
@@ -21,6 +22,29 @@ def accepts_keyword(func: Callable, name: str) -> bool:
     except (TypeError, ValueError):  # builtins without a signature take what they take
         return False
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class RewardProcessors:
+    """Factories of `float -> float` reward transforms, passed to trainers as `reward_processor`.
+
+    Import them from their documented path, `comlrl_trl.utils.reward_processor` (CoMLRL's
+    `comlrl.utils.reward_processor`).
+
+    >>> RewardProcessors.scale(factor=10.0)(0.5)
+    5.0
+    >>> RewardProcessors.shift(value=-1.0)(0.5)
+    -0.5
+    """
+
+    @staticmethod
+    def scale(factor: float = 1.0) -> Callable[[float], float]:
+        """Multiply every reward by `factor`."""
+        return lambda reward: reward * factor
+
+    @staticmethod
+    def shift(value: float = 0.0) -> Callable[[float], float]:
+        """Add `value` to every reward."""
+        return lambda reward: reward + value
 
 
 class JointReward:

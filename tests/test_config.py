@@ -315,6 +315,17 @@ def test_reward_processors():
     assert combined == 1.5
 
 
+def test_the_documented_utils_paths_name_the_library_objects():
+    """`comlrl_trl.utils` (CoMLRL's `comlrl.utils`) only re-exports: a copy there would drift from what trainers use."""
+    import comlrl_trl.utils as utils
+    from comlrl_trl.checkpoint import read_checkpoint_metadata
+    from comlrl_trl.joint_reward import RewardProcessors as applied
+
+    assert RewardProcessors is applied and utils.RewardProcessors is applied
+    assert utils.read_checkpoint_metadata is read_checkpoint_metadata
+    assert sorted(utils.__all__) == ["RewardProcessors", "read_checkpoint_metadata"]
+
+
 @pytest.mark.parametrize(
     "env, nvidia_smi, warns",
     [
