@@ -5,17 +5,11 @@ import copy
 from collections.abc import Sequence, Sized
 from typing import Any
 
-import torch
 from datasets import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel
-from transformers.utils import logging
-from trl.trainer.utils import RepeatSampler
 
 from .formatters import check_prompt
 from .loading import load_saved_adapter
-
-
-logger = logging.get_logger(__name__)
 
 
 def check_datasets(train_dataset: Any, eval_dataset: Any, default_formatters: bool) -> None:
@@ -43,59 +37,6 @@ def _prompt_column(dataset: Any) -> list:
     if dataset is None or not isinstance(dataset, Sized) or not names or "prompt" not in names:
         return []
     return list(dataset["prompt"])
-
-
-class FilledRepeatSampler(RepeatSampler):
-    """TRL's `RepeatSampler` for a training set with fewer task items than one generation batch: the items are
-    repeated (in order, or in this epoch's shuffled order) to fill exactly one batch, instead of yielding nothing."""
-
-    def __iter__(self):
-        order = (
-            torch.randperm(self.num_samples, generator=self.generator).tolist()
-            if self.shuffle
-            else list(range(self.num_samples))
-        )
-        chunk = [order[i % self.num_samples] for i in range(self.batch_size)]
-        for _ in range(self.repeat_count):
-            for index in chunk:
-                yield from [index] * self.mini_repeat_count
-
-    def __len__(self) -> int:
-        return self.batch_size * self.mini_repeat_count * self.repeat_count
-
-
-def fill_small_training_set(sampler):
-    """`sampler` itself, or a `FilledRepeatSampler` (with a warning) when the training set cannot fill one batch.
-
-    TRL's sampler yields whole generation batches only: a remainder of items is left out of every epoch (the same
-    items without `shuffle_dataset=True`), which is worth a warning on many processes with small data sets.
-    """
-    if not isinstance(sampler, RepeatSampler):
-        return sampler
-    left_out = sampler.num_samples % sampler.batch_size
-    if sampler.num_samples > sampler.batch_size and left_out:
-        logger.warning(
-            "train_dataset has %d task items and a generation batch takes %d, so %d items are left out of every "
-            "epoch (%s). Use a number of items divisible by per_device_train_batch_size * steps_per_generation * "
-            "processes / num_generations, or fewer processes.",
-            sampler.num_samples,
-            sampler.batch_size,
-            left_out,
-            "other items each epoch, shuffle_dataset=True"
-            if sampler.shuffle
-            else "always the last ones: shuffle_dataset=True varies them",
-        )
-    if not 0 < sampler.num_samples < sampler.batch_size:
-        return sampler
-    logger.warning(
-        "train_dataset has %d task items, fewer than one generation batch (%d items: per_device_train_batch_size * "
-        "steps_per_generation * processes / num_generations); its items are repeated to fill that batch.",
-        sampler.num_samples,
-        sampler.batch_size,
-    )
-    filled = FilledRepeatSampler.__new__(FilledRepeatSampler)
-    filled.__dict__.update(sampler.__dict__)
-    return filled
 
 
 # ----- agents -----

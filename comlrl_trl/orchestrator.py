@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from trl.models.utils import disable_gradient_checkpointing
 
 from .adapters.grpo import Rollout, completion_text
+from .adapters.helpers import gradient_checkpointing_disabled
 from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
@@ -306,7 +306,7 @@ def reference_kl_stats(agent, batch: dict[str, Any]) -> torch.Tensor:
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with (
-        disable_gradient_checkpointing(agent.model, agent.args.gradient_checkpointing_kwargs),
+        gradient_checkpointing_disabled(agent.model, agent.args.gradient_checkpointing_kwargs),
         training_autocast(agent.accelerator, agent.args.bf16),  # as the loss: bf16 also where Accelerate's is off
     ):
         logps = agent.per_token_logps(

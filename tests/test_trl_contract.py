@@ -57,6 +57,7 @@ def test_generate_returns_the_rollout_fields_in_order():
         (Trainer._get_output_dir, ["self", "trial"]),
         (Trainer._save_checkpoint, ["self", "model", "trial"]),
         (RewardTrainer._prepare_dataset, ["self", "dataset", "processing_class", "args", "dataset_name"]),
+        (Trainer.save_model, ["self", "output_dir", "_internal_call"]),  # adapters.helpers.call_save_model
     ],
 )
 def test_private_hook_signatures(method, parameters):

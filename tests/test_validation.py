@@ -470,10 +470,10 @@ def test_a_training_set_that_leaves_items_out_of_every_epoch_warns(caplog, items
     one batch per epoch and the remaining 4 are never trained on without shuffling."""
     from trl.trainer.utils import RepeatSampler
 
-    from comlrl_trl.inputs import fill_small_training_set
+    from comlrl_trl.adapters.sampler import fill_small_training_set
 
     sampler = RepeatSampler(list(range(items)), mini_repeat_count=4, batch_size=8, shuffle=shuffle, seed=0)
-    with caplog.at_level("WARNING", logger="comlrl_trl.inputs"):
+    with caplog.at_level("WARNING", logger="comlrl_trl.adapters.sampler"):
         assert fill_small_training_set(sampler) is sampler
     warnings = [r.getMessage() for r in caplog.records if "left out of every epoch" in r.getMessage()]
     assert len(warnings) == (1 if left_out else 0)

@@ -28,7 +28,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from ..inputs import fill_small_training_set
+from .sampler import fill_small_training_set
 
 
 logger = logging.get_logger(__name__)

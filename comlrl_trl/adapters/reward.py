@@ -3,6 +3,7 @@
 `RewardTrainerAdapter` lets a reward trainer live beside the agents' Accelerator (under DeepSpeed it reuses the
 process's active plugin) and tokenises plain-text preference rows through a named hook, `tokenize_row`.
 `active_deepspeed_plugin` swaps the reward configuration's DeepSpeed plugin in while that trainer is built and trained.
+`load_sequence_classifier` loads the reward model as TRL's `RewardTrainer` does (with TRL's internal loader).
 """
 
 import contextlib
@@ -10,8 +11,11 @@ from typing import Any
 
 from accelerate.state import AcceleratorState
 from accelerate.utils.deepspeed import get_active_deepspeed_plugin
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from trl import RewardTrainer
 from trl.data_utils import get_dataset_column_names
+from trl.trainer.reward_trainer import suppress_seqcls_warning
+from trl.trainer.utils import create_model_from_path
 
 from .grpo import deepspeed_state_exists
 
@@ -38,6 +42,17 @@ def active_deepspeed_plugin(plugin):
     finally:
         state.deepspeed_plugins = previous
         get_active_deepspeed_plugin(state).select(_from_accelerator_state=True)  # transformers' ZeRO-3 flag too
+
+
+def load_sequence_classifier(source: str) -> PreTrainedModel:
+    """A sequence-classification model with one output from `source`, loaded as TRL's `RewardTrainer` loads one: a
+    causal LM gets a new `score` head, without transformers' warning about the head's newly initialised weights.
+
+    No device map: TRL's default is "auto" on CUDA, which Accelerate refuses for a model trained under DDP or
+    DeepSpeed (and ZeRO-3 partitions the weights itself). The Trainer places the model.
+    """
+    with suppress_seqcls_warning():
+        return create_model_from_path(source, AutoModelForSequenceClassification, num_labels=1, device_map=None)
 
 
 class RewardTrainerAdapter(RewardTrainer):

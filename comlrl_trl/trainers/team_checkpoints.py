@@ -16,6 +16,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..adapters.helpers import call_save_model
 from ..checkpoint import (
     CHECKPOINT_VERSION,
     STATE_NAME,
@@ -133,7 +134,7 @@ class TeamCheckpoints:
             os.makedirs(staging)
         self.accelerator.wait_for_everyone()
         self.store_flos()
-        self.save_model(staging, _internal_call=True)
+        call_save_model(self.save_model, staging, internal_call=True)
         if not self.args.save_only_model:
             for i, agent in enumerate(self.agent_trainers):
                 agent.save_optimizer_state(os.path.join(staging, f"agent_{i}"))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
+from ...adapters.helpers import call_save_model
 from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
 from ...inputs import model_name
@@ -235,7 +236,7 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         """Export the actors to `output_dir/agent_i/`, the critics with their `value_head.pt` (see the class) and the
         sampling settings to `output_dir/team_settings.json`."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        super().save_model(output_dir, _internal_call=_internal_call)
+        call_save_model(super().save_model, output_dir, _internal_call)
         self.critic_set.save(output_dir)
 
     def save_team_extra_state(self, checkpoint: str) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
-from trl.trainer.utils import pad, selective_log_softmax
 
 from ...adapters.grpo import completion_text
+from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
 from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
 from .madpo_config import MADPOConfig
@@ -65,7 +65,7 @@ def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False
     ).logits
-    per_token = selective_log_softmax(logits[:, :-1, :], completion_ids)  # position t predicts completion token t
+    per_token = token_log_probs(logits[:, :-1, :], completion_ids)  # position t predicts completion token t
     return (per_token * completion_mask).sum(dim=1)
 
 
@@ -268,11 +268,13 @@ def _pair_tensors(agent, rollout, pairs: list[tuple[int, int]]) -> dict[str, tor
     prompts = [torch.tensor(prompt_ids[r]) for r in rows]
     completions = [torch.tensor(completion_ids[r]) for r in rows]
     return {
-        "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
-        "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
-        "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
-        "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right").to(
+        "prompt_ids": pad_sequences(prompts, padding_value=pad_id, padding_side="left").to(device),
+        "prompt_mask": pad_sequences([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(
             device
         ),
+        "completion_ids": pad_sequences(completions, padding_value=pad_id, padding_side="right").to(device),
+        "completion_mask": pad_sequences(
+            [torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"
+        ).to(device),
         "pair_weight": torch.tensor(weight, device=device),
     }

@@ -24,6 +24,7 @@ from safetensors.torch import load_model, save_model
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback, TrainerState
 
+from ...adapters.helpers import call_save_model
 from ...checkpoint import (
     CHECKPOINT_VERSION,
     STATE_NAME,
@@ -116,7 +117,7 @@ class PreferenceCheckpoints:
         rl.accelerator.wait_for_everyone()
         if rl_checkpoint is None:
             actors = os.path.join(staging, "actors")
-            rl.save_model(actors, _internal_call=True)
+            call_save_model(rl.save_model, actors, internal_call=True)
             rl.save_team_extra_state(actors)
         rl.save_rng_state(staging)
         if main:

@@ -5,12 +5,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_utils import set_seed
-from trl.trainer.reward_trainer import suppress_seqcls_warning
-from trl.trainer.utils import create_model_from_path
 
-from ...adapters.reward import RewardTrainerAdapter
+from ...adapters.reward import RewardTrainerAdapter, load_sequence_classifier
 from ...formatters import format_prompt
 from ...joint_reward import JointReward
 
@@ -31,10 +29,7 @@ def load_reward_tokenizer(source: str) -> PreTrainedTokenizerBase:
 def load_reward_backbone(source: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """A sequence-classification model with one output from `source` (a causal LM gets a new, seeded `score` head)."""
     set_seed(seed)  # the new head is random: seed it, as TRL's RewardTrainer does
-    with suppress_seqcls_warning():
-        # No device map: TRL's default is "auto" on CUDA, which Accelerate refuses for a model trained under DDP or
-        # DeepSpeed (and ZeRO-3 partitions the weights itself). The Trainer places the model.
-        model = create_model_from_path(source, AutoModelForSequenceClassification, num_labels=1, device_map=None)
+    model = load_sequence_classifier(source)  # on no device: the Trainer places it
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last non-pad token is scored
     return model
 

@@ -28,6 +28,7 @@ from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
 from ...adapters.grpo import AgentGRPOTrainer, TeamGRPOTrainer, joint_reward
+from ...adapters.helpers import call_save_model
 from ...agent_overrides import agent_config
 from ...checkpoint import model_fingerprint
 from ...formatters import build_formatters
@@ -346,7 +347,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         args = self.args
         return {
             "algorithm": self.algorithm_name,
-            "model_names": [agent.model.config._name_or_path for agent in self._team],
+            "model_names": [agent.model.config.name_or_path for agent in self._team],
             **{
                 key: getattr(args, key)
                 for key in (
@@ -540,9 +541,9 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         for i, agent in enumerate(self._team):
             path = os.path.join(output_dir, f"agent_{i}")
             if agent is self:
-                super().save_model(path, _internal_call=_internal_call)
+                call_save_model(super().save_model, path, _internal_call)
             else:
-                agent.save_model(path, _internal_call=_internal_call)
+                call_save_model(agent.save_model, path, _internal_call)
         if self.args.should_save:
             write_team_settings(output_dir, self.args)
 

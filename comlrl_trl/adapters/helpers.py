@@ -1,0 +1,48 @@
+"""TRL helpers that are not TRL's public API, and transformers' private `save_model` keyword, behind functions of
+ours.
+
+`trl.trainer.utils` and `trl.models.utils` are TRL's internals: their names and signatures may change in any release.
+The rest of the package calls the wrappers below, so a TRL or transformers upgrade is ported here
+(`tests/test_trl_boundary.py` keeps every other deep TRL import and private keyword argument out of the package).
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Literal
+
+import torch
+from torch import nn
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad, selective_log_softmax
+
+
+def pad_sequences(
+    tensors: list[torch.Tensor], padding_value: int, padding_side: Literal["left", "right"]
+) -> torch.Tensor:
+    """Stack 1-D tensors into one `(len(tensors), longest)` tensor, each padded with `padding_value` on
+    `padding_side` (TRL's `pad`)."""
+    return pad(tensors, padding_value=padding_value, padding_side=padding_side)
+
+
+def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each of `token_ids` under `logits` (shape `(..., vocabulary)` -> `(...)`), without
+    holding the whole log-softmax in memory (TRL's `selective_log_softmax`)."""
+    return selective_log_softmax(logits, token_ids)
+
+
+def gradient_checkpointing_disabled(
+    model: nn.Module, gradient_checkpointing_kwargs: dict | None
+) -> AbstractContextManager[None]:
+    """A block in which `model` runs without gradient checkpointing; when it was on, it is enabled again after the
+    block with `gradient_checkpointing_kwargs` (TRL's `disable_gradient_checkpointing`)."""
+    return disable_gradient_checkpointing(model, gradient_checkpointing_kwargs)
+
+
+def call_save_model(save_model: Callable[..., None], output_dir: str, internal_call: bool) -> None:
+    """Call a `Trainer.save_model` (`trainer.save_model`, or `super().save_model` inside an override) on `output_dir`.
+
+    `internal_call=True` marks a save made for a checkpoint, not by the user: transformers' private `_internal_call`
+    keyword then skips the Hub upload that `push_to_hub=True` adds to a user's `save_model`. An override of
+    `save_model` keeps accepting `_internal_call` (the Trainer passes it) and forwards it through here.
+    """
+    save_model(output_dir, _internal_call=internal_call)
