@@ -1,14 +1,20 @@
-"""Checkpoints of a team trainer (MAGRPO family, actor-critic, MADPO, and the RL stage of MARLHF).
+"""The checkpoint system of every trainer family.
 
+[`Checkpoints`] is the system: the checkpoint options of `train()`, one live run per checkpoint directory, the resume
+checks (manifest, compatibility, other runs' checkpoints), the crash-safe writer (a staging directory renamed into
+place by `checkpoint.save_staged`, with the metadata and its manifest written last, so a crash never leaves a
+half-written checkpoint), the metadata, and the run's progress in `comlrl_trl_state.pt` with the stateful user objects.
+
+[`TeamCheckpoints`] is what a team trainer (MAGRPO family, actor-critic, MADPO, the RL stage of MARLHF) writes with it:
 `checkpoint-N/` holds `agent_i/` for every agent (weights or adapter, tokenizer, optimiser, scheduler, scaler),
-`rng_state*.pth`, TRL's `trainer_state.json`, the team's own progress (`comlrl_trl_state.pt`: env_step, followers'
-counters, stateful user objects) and, written last, the metadata with a manifest. It is written into a staging
-directory and renamed into place (`checkpoint.save_staged`), so a crash never leaves a half-written checkpoint.
+`rng_state*.pth`, TRL's `trainer_state.json`, the team's progress (env_step, followers' counters) and the metadata.
+MARLHF's stages write theirs with the same system (`preference/marlhf_checkpoints.py`).
 """
 
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,11 +45,16 @@ from ..checkpoint import (
 from ..integrations.wandb import WandbRunCallback
 
 
-class TeamCheckpoints:
-    """The checkpoint half of [`MAGRPOTrainer`]: configuration, resume checks, writing and loading.
+def class_path(obj) -> str:
+    """`module.QualifiedName` of an object's class, as checkpoints record it."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-    It needs the trainer's `agent_trainers`, `model_fingerprints`, `args`, `state`, `accelerator` and the stateful
-    user objects (`reward_func`, formatters, datasets, ...).
+
+class Checkpoints:
+    """The checkpoint system of a trainer: configuration, resume checks, the writer and the run's progress.
+
+    A trainer using it provides `args` (its `TrainingArguments`), `accelerator`, `model_fingerprints`, `tokenizers`,
+    `wandb_identity()`, `stateful_objects()`, and its progress as `_team_state()` and `_restore_team_state()`.
     """
 
     # ----- configuration and resume -----
@@ -70,9 +81,8 @@ class TeamCheckpoints:
         return lock
 
     def _checkpoint_root(self, trial=None) -> str | None:
-        if self._checkpoint_dir is not None:
-            return self._checkpoint_dir
-        return self.checkpoint_root(trial) if self.args.save_strategy != "no" else None
+        """Where this run writes its checkpoints: `checkpoint_dir`, or None (no checkpoint)."""
+        return self._checkpoint_dir
 
     def _prepare_resume(self, resume_from_checkpoint) -> str | None:
         """Check the checkpoint against this trainer and the checkpoint root against other runs."""
@@ -97,12 +107,77 @@ class TeamCheckpoints:
         return self._resume_path
 
     def compatibility(self) -> dict[str, Any]:
-        """What must not change between a checkpoint and the trainer resuming from it."""
+        """What must not change between a checkpoint and the trainer resuming from it; families add their settings."""
         return {
-            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
-            "num_agents": len(self.agent_trainers),
-            "models": self.model_fingerprints,
+            "trainer_class": class_path(self),
+            "models": list(self.model_fingerprints),  # taken at construction, before DeepSpeed changes tensors
             "tokenizers": [tokenizer_fingerprint(tokenizer) for tokenizer in self.tokenizers],
+        }
+
+    # ----- writing -----
+
+    def _write_checkpoint(
+        self, root: str, sequence: int, limit: int | None, write_files: Callable[[str], None]
+    ) -> str:
+        """Write `root/checkpoint-{sequence}` crash-safely; returns its path.
+
+        `write_files(staging)` runs on every process once the staging directory exists; then the run's progress and,
+        last, the metadata with the manifest of every file (which marks the checkpoint complete) are written.
+        """
+        should_save = self.args.should_save
+
+        def write(staging: str) -> None:
+            if should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+                os.makedirs(staging)
+            self.accelerator.wait_for_everyone()
+            write_files(staging)
+            if should_save:
+                state = {**self._team_state(), "objects": objects_state(self.stateful_objects())}
+                torch.save(state, os.path.join(staging, STATE_NAME))
+            self.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
+            if should_save:
+                write_metadata(staging, self.checkpoint_metadata(sequence))
+
+        name = f"{PREFIX_CHECKPOINT_DIR}-{sequence}"
+        return save_staged(root, name, self._staging_token, write, self.accelerator, should_save, limit, self._run_id)
+
+    def checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
+        """What `read_checkpoint_metadata` returns (but the manifest); families add their progress."""
+        return {
+            "version": CHECKPOINT_VERSION,
+            "trainer_class": class_path(self),
+            "sequence": sequence,
+            "run_id": self._run_id,
+            "wandb": self.wandb_identity(),
+            "compat": self.compatibility(),
+        }
+
+    # ----- loading -----
+
+    def _load_team_state(self, checkpoint: str) -> None:
+        """Restore the run's progress and the stateful user objects from `checkpoint`."""
+        state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
+        self._restore_team_state(state, checkpoint)
+        restore_objects(self.stateful_objects(), state["objects"], checkpoint)
+
+
+class TeamCheckpoints(Checkpoints):
+    """The checkpoint half of [`MAGRPOTrainer`]: what a team trainer writes and loads with [`Checkpoints`].
+
+    It needs the trainer's `agent_trainers`, `model_fingerprints`, `args`, `state`, `accelerator` and the stateful
+    user objects (`reward_func`, formatters, datasets, ...).
+    """
+
+    def _checkpoint_root(self, trial=None) -> str | None:
+        if self._checkpoint_dir is not None:
+            return self._checkpoint_dir
+        return self.checkpoint_root(trial) if self.args.save_strategy != "no" else None
+
+    def compatibility(self) -> dict[str, Any]:
+        return {
+            **super().compatibility(),
+            "num_agents": len(self.agent_trainers),
             "num_generations": self.args.num_generations,
             "joint_mode": self.args.joint_mode,
             "num_turns": self.args.num_turns,
@@ -116,23 +191,10 @@ class TeamCheckpoints:
         root = self._checkpoint_root(trial) or self.checkpoint_root(trial)
         sequence = self.checkpoint_sequence if self._checkpoint_dir is not None else self.state.global_step
         limit = self._checkpoint_total_limit if self._checkpoint_dir is not None else self.args.save_total_limit
-        save_staged(
-            root,
-            f"{PREFIX_CHECKPOINT_DIR}-{sequence}",
-            self._staging_token,
-            lambda staging: self._write_checkpoint_files(staging, sequence),
-            self.accelerator,
-            self.args.should_save,
-            limit,
-            self._run_id,
-        )
+        self._write_checkpoint(root, sequence, limit, self._write_checkpoint_files)
         self._last_saved_step = self.state.global_step
 
-    def _write_checkpoint_files(self, staging: str, sequence: int) -> None:
-        if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-        self.accelerator.wait_for_everyone()
+    def _write_checkpoint_files(self, staging: str) -> None:
         self.store_flos()
         call_save_model(self.save_model, staging, internal_call=True)
         if not self.args.save_only_model:
@@ -142,14 +204,10 @@ class TeamCheckpoints:
             self.save_rng_state(staging)
             self.save_team_extra_state(staging)
         if self.args.should_save:
-            torch.save(self._team_state(), os.path.join(staging, STATE_NAME))
             for callback in self.callback_handler.callbacks + [self.control]:
                 if isinstance(callback, ExportableState):
                     self.state.stateful_callbacks[type(callback).__name__] = callback.state()
             self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        self.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
-        if self.args.should_save:
-            write_metadata(staging, self.checkpoint_metadata(sequence))  # last: marks the checkpoint complete
 
     def save_team_extra_state(self, checkpoint: str) -> None:
         """Optimisation state beyond the agents' own (critics, ...); subclasses add theirs."""
@@ -161,14 +219,9 @@ class TeamCheckpoints:
 
     def checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
         return {
-            "version": CHECKPOINT_VERSION,
-            "trainer_class": f"{type(self).__module__}.{type(self).__qualname__}",
-            "sequence": sequence,
-            "run_id": self._run_id,
-            "wandb": self.wandb_identity(),
+            **super().checkpoint_metadata(sequence),
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
-            "compat": self.compatibility(),
         }
 
     def stateful_objects(self) -> dict[str, Any]:
@@ -195,7 +248,6 @@ class TeamCheckpoints:
                 {"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
                 for f in self.agent_trainers[1:]
             ],
-            "objects": objects_state(self.stateful_objects()),
         }
 
     # ----- loading -----
@@ -206,8 +258,7 @@ class TeamCheckpoints:
             agent.load_weights(os.path.join(checkpoint, f"agent_{i}"))
         self.load_team_extra_state(checkpoint)
 
-    def _load_team_state(self, checkpoint: str) -> None:
-        state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
+    def _restore_team_state(self, state: dict[str, Any], checkpoint: str) -> None:
         self.env_step = state["env_step"]
         self._epoch_items = state["epoch_items"]
         self._last_logged_env_step = state["last_logged_env_step"]
@@ -215,4 +266,3 @@ class TeamCheckpoints:
         for follower, saved in zip(self.agent_trainers[1:], state["followers"]):
             follower.state.global_step = saved["global_step"]
             follower.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
-        restore_objects(self.stateful_objects(), state["objects"], checkpoint)

@@ -24,7 +24,7 @@ from ...formatters import build_formatters, format_prompt
 from ...inputs import resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
-from .marlhf_checkpoints import PreferenceCheckpoints, StageCheckpointCallback
+from .marlhf_checkpoints import MARLHFCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
 from .pairs import PreferencePair, pair_rng, pair_statistics, pairs_from_candidates, save_pairs
 from .reward_model import (
@@ -43,7 +43,7 @@ from .rl_stage import (
 )
 
 
-class MARLHFTrainer(PreferenceCheckpoints):
+class MARLHFTrainer(MARLHFCheckpoints):
     """
     Multi-agent RL from preferences: a joint reward model learnt from pairs ranked by the task reward, then online RL.
 
@@ -180,6 +180,7 @@ class MARLHFTrainer(PreferenceCheckpoints):
         self.iteration = 0
         self._total_pairs = 0
         self._configure_checkpoints(None, 1, None)
+        self.stateful_objects()  # a user object with only one of state_dict/load_state_dict is an error now
 
     # ----- the team -----
 
@@ -213,8 +214,9 @@ class MARLHFTrainer(PreferenceCheckpoints):
 
         Args:
             resume_from_checkpoint (`str` or `bool`, *optional*):
-                A `checkpoint-N` directory of this trainer (`True`: the latest in `checkpoint_dir`). The work since
-                that checkpoint is repeated; `num_train_epochs` (and `num_iterations`) count the whole run.
+                A `checkpoint-N` directory of this trainer (`True`: the latest in `checkpoint_dir`, else in
+                `args.output_dir`, as for every team trainer). The work since that checkpoint is repeated;
+                `num_train_epochs` (and `num_iterations`) count the whole run.
             checkpoint_dir (`str`, *optional*):
                 Save `checkpoint_dir/checkpoint-N` at every `checkpoint_interval`-th completed stage or RL epoch, and
                 at the end. Without it no checkpoint is written.
@@ -228,21 +230,20 @@ class MARLHFTrainer(PreferenceCheckpoints):
                 "pass train_dataset=... when building it to train."
             )
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
-        lock = self._claim_checkpoint_dir()
+        lock = self._claim_checkpoint_root()
         try:
             return self._train(resume_from_checkpoint)
         finally:
             lock.release()
 
     def _train(self, resume_from_checkpoint):
-        resume = self._resolve_resume(resume_from_checkpoint)
-        rl_resume = rl_step = None
+        resume = self._prepare_resume(resume_from_checkpoint)
+        rl_resume = rl_step = self._assets = None
         if resume is not None:
-            rl_resume, rl_step = self._restore(resume)
+            rl_resume, rl_step = self._load_stage(resume)
         else:
             self.log_history, self._total_pairs, self.iteration = [], 0, 0
-        self._check_foreign_checkpoints()
-        self._pairs_dir = _output_dir(self.args.preference_output_dir, resume, self._sequence)
+        self._pairs_dir = _output_dir(self.args.preference_output_dir, resume, self.checkpoint_sequence)
         output = None
         for iteration in range(self.iteration, self.num_iterations):
             self.iteration = iteration
