@@ -196,29 +196,34 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(qwen_path, make_co
     assert resumed.state.global_step == 2 * 4
 
 
-def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make_config, tmp_path):
+def _marlhf(path, make_config, **overrides):
+    """A MARLHF trainer of one RL epoch: its checkpoints are checkpoint-1 (reward-model stage) and checkpoint-2 (RL)."""
     from comlrl_trl.trainers.preference import MARLHFConfig, MARLHFTrainer
 
+    settings = dict(
+        config_cls=MARLHFConfig,
+        num_generations=2,
+        max_new_tokens=6,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        preference_num_candidates=4,
+        preference_pairs_per_sample=2,
+        reward_learning_rate=1e-3,
+        reward_num_train_epochs=1,
+        num_train_epochs=1,
+    )
+    settings.update(overrides)
+    return MARLHFTrainer(
+        agent_model=path,
+        train_dataset=ITEMS,
+        args=make_config(**settings),
+        reward_func=lambda a, b: [float(len(y) // 8 - len(x) // 8) for x, y in zip(a, b)],
+    )
+
+
+def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make_config, tmp_path):
     def build(**overrides):
-        settings = dict(
-            config_cls=MARLHFConfig,
-            num_generations=2,
-            max_new_tokens=6,
-            learning_rate=0.05,
-            lr_scheduler_type="constant",
-            preference_num_candidates=4,
-            preference_pairs_per_sample=2,
-            reward_learning_rate=1e-3,
-            reward_num_train_epochs=1,
-            num_train_epochs=1,
-        )
-        settings.update(overrides)
-        return MARLHFTrainer(
-            agent_model=qwen_path,
-            train_dataset=ITEMS,
-            args=make_config(**settings),
-            reward_func=lambda a, b: [float(len(y) // 8 - len(x) // 8) for x, y in zip(a, b)],
-        )
+        return _marlhf(qwen_path, make_config, **overrides)
 
     build().train(checkpoint_dir=tmp_path / "ckpt")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no lock, no staging left
@@ -237,6 +242,57 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
         build(num_train_epochs=2, reward_learning_rate=1e-2).train(
             resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2")
         )
+
+
+@pytest.mark.parametrize("stage", ["checkpoint-1", "checkpoint-2"])  # after the reward model, after the RL epoch
+def test_marlhf_and_the_team_refuse_a_changed_setting_with_the_same_message(
+    qwen_path, make_config, saved, tmp_path, stage
+):
+    """One compatibility check for every family: a MARLHF stage checkpoint resumed with another learning rate is
+    refused with the team's message, line for line (only the path differs)."""
+    _marlhf(qwen_path, make_config).train(checkpoint_dir=tmp_path / "marlhf")
+    messages = []
+    for trainer, checkpoint in (
+        (_trainer(qwen_path, make_config, epochs=2, learning_rate=0.01), saved),
+        (_marlhf(qwen_path, make_config, num_train_epochs=2, learning_rate=0.01), tmp_path / "marlhf" / stage),
+    ):
+        with pytest.raises(ValueError) as raised:
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        messages.append(str(raised.value).replace(str(checkpoint), "<checkpoint>"))
+    assert messages[0] == messages[1]
+    assert messages[1].splitlines()[1:] == [
+        "  learning_rate: checkpoint has 0.05, this trainer has 0.01",
+        "These settings change the result, so a resumed run must keep the checkpoint's values (num_train_epochs and "
+        "max_steps may grow); or start a new run.",
+    ]
+
+
+def test_a_full_disk_leaves_no_partial_marlhf_checkpoint(qwen_path, make_config, tmp_path, monkeypatch):
+    """The team's writer saves MARLHF's stages: a full disk while wrapping the RL epoch (checkpoint-2) says so, keeps
+    the reward-model stage's checkpoint-1 intact and leaves no partial checkpoint-2; the run resumes from checkpoint-1
+    and ends as an uninterrupted one."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if os.path.basename(os.path.dirname(str(f))).startswith(".checkpoint-2."):  # the MARLHF staging directory
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    root = tmp_path / "ckpt"
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        _marlhf(qwen_path, make_config).train(checkpoint_dir=root)
+    assert raised.value.errno == errno.ENOSPC and "checkpoint-2" in str(raised.value)
+    assert [name for name in os.listdir(root) if "checkpoint" in name] == ["checkpoint-1"]
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = _marlhf(qwen_path, make_config)
+    resumed.train(resume_from_checkpoint=True, checkpoint_dir=root)
+    assert sorted(os.listdir(root)) == ["checkpoint-1", "checkpoint-2"]
+    straight = _marlhf(qwen_path, make_config)
+    straight.train()
+    for a, b in zip(straight.agents, resumed.agents, strict=True):
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q), name
 
 
 def test_a_filesystem_without_flock_warns_once_and_trains(qwen_path, make_config, tmp_path, monkeypatch):

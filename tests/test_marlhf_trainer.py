@@ -570,6 +570,30 @@ def test_construction_errors_name_the_argument(qwen_path, make_config):
         MARLHFTrainer(agent_model=qwen_path, reward_func=length_reward, train_dataset=ITEMS, args=make_config())
 
 
+class _SavesOnly:
+    """A user object with state_dict but no load_state_dict: its state could be saved but never restored."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+    def state_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [("reward_func", _SavesOnly(length_reward)), ("joint_formatter", _SavesOnly(joint_text))],
+)
+def test_a_half_stateful_object_is_refused_at_construction(qwen_path, make_config, argument, value):
+    """MARLHF's own user objects follow the team's rule when the trainer is built, not at its first checkpoint (or
+    never, without checkpoint_dir)."""
+    with pytest.raises(TypeError, match=rf"{argument} \(_SavesOnly\) defines state_dict\(\) but not load_state_dict"):
+        _trainer(qwen_path, make_config, **{argument: value})
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
