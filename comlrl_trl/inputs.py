@@ -111,7 +111,7 @@ def per_agent(value, n: int, name: str) -> list:
     return [copy.deepcopy(value) for _ in range(n)]
 
 
-def check_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset) -> None:
+def check_trainer_inputs(args, reward_func, external_transition, train_dataset) -> None:
     """The team trainer's callables and batch shape, checked before any model is loaded."""
     if reward_func is None:
         raise ValueError("reward_func is required: a callable returning one reward per joint action.")
@@ -121,8 +121,6 @@ def check_trainer_inputs(args, reward_func, external_transition, eval_logger, ev
         )
     if external_transition is not None and not callable(external_transition):
         raise TypeError(f"external_transition must be a callable, got {type(external_transition).__name__}.")
-    if (eval_logger is None) != (eval_aggregator is None):
-        raise ValueError("eval_logger and eval_aggregator work together: pass both or neither.")
     k = args.num_generations
     local_rows = args.per_device_train_batch_size * args.steps_per_generation
     if local_rows % k != 0:

@@ -10,7 +10,7 @@ from ..batching import even_shard
 
 class TeamEvaluation:
     """The evaluation half of [`MAGRPOTrainer`]; it needs the trainer's `agent_trainers`, `orchestrator`, `args`,
-    `eval_dataset`, `eval_logger`/`eval_aggregator`, `env_step`, `accelerator` and `log`."""
+    `eval_dataset`, `eval_metrics` (see `metrics_hooks`), `env_step`, `accelerator` and `log`."""
 
     def _maybe_evaluate(self, first_item: int, num_items: int) -> None:
         interval = self.args.eval_interval
@@ -23,7 +23,7 @@ class TeamEvaluation:
 
         Every item follows one path: one response per agent per turn, with the external transition between
         turns. Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` (the discounted return from
-        turn k) for every turn k, plus the custom metrics of `eval_logger`/`eval_aggregator`, or `{}` without an
+        turn k) for every turn k, plus the custom metrics (`eval_logger`/`eval_aggregator` or `metrics_callback`), or `{}` without an
         eval_dataset. An evaluation set that yields no item is a ValueError. Model weights are not updated.
         """
         if self.eval_dataset is None:
@@ -76,13 +76,11 @@ class TeamEvaluation:
         return metrics
 
     def _custom_eval_metrics(self, items: list, completions: list, prompts: list) -> dict[str, float]:
-        """`eval_logger` rows for the local items, gathered and reduced by `eval_aggregator` (no prefix)."""
-        if self.eval_logger is None:
+        """The custom metrics hook (`eval_metrics`): rows for the local items, gathered, then reduced (no prefix)."""
+        if self.eval_metrics is None:
             return {}
-        rows = self.eval_logger(
-            agent_completions_turns=completions, batch_items=items, prompts=[item.get("prompt") for item in items]
-        )
-        return self.eval_aggregator(self._gather_lists(rows), num_turns=self.args.num_turns)
+        rows = self.eval_metrics.rows(items, completions, prompts)
+        return self.eval_metrics.reduce(self._gather_lists(rows), self.args.num_turns)
 
     def _gather_lists(self, values: list) -> list:
         """Concatenate a list from every process, in process order.

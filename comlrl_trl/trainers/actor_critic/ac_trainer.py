@@ -21,6 +21,7 @@ from ...core.values import value_loss
 from ...inputs import model_name
 from ...loading import load_causal_lm
 from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
+from ..metrics_hooks import EvalMetrics, check_metrics_hooks
 from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
 from .ac_config import ActorCriticConfig
 from .critics import CRITIC_OPTIMIZERS_NAME
@@ -61,36 +62,37 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
     default_config_cls = ActorCriticConfig
     follower_cls = ActorCriticFollower
 
+    metrics_hooks = ("eval_logger", "metrics_callback")
+
     def __init__(
         self,
         agent_model: str | PreTrainedModel | None = None,
-        critic_model: str | PreTrainedModel | None = None,
+        *,
+        agents: Sequence[str | PreTrainedModel] | None = None,
         tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
+        formatters: Callable | Sequence[Callable] | None = None,
         reward_func: Callable | None = None,
         reward_processor: Callable[[float], float] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        args: ActorCriticConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
-        model_config: dict[str, Any] | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        metrics_callback: Callable | None = None,
+        args: ActorCriticConfig | None = None,
         external_transition: Callable | None = None,
-        agents: Sequence[str | PreTrainedModel] | None = None,
-        critics: Sequence[str | PreTrainedModel] | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        eval_logger: Callable | None = None,
+        eval_aggregator: Callable | None = None,
+        metrics_callback: Callable | None = None,
         peft_config: Any = None,
-        critic_peft_config: Any = None,
         callbacks: list[TrainerCallback] | None = None,
+        critic_model: str | PreTrainedModel | None = None,
+        critics: Sequence[str | PreTrainedModel] | None = None,
+        critic_peft_config: Any = None,
+        model_config: dict[str, Any] | None = None,
     ):
         if args is None:
             args = self.default_config_cls()
         if not isinstance(args, self.default_config_cls):
             raise TypeError(f"args must be a {self.default_config_cls.__name__}, got {type(args).__name__}.")
-        if metrics_callback is not None and not callable(metrics_callback):
-            raise TypeError(
-                f"metrics_callback must be a callable taking a list of RolloutSample, got "
-                f"{type(metrics_callback).__name__}."
-            )
+        check_metrics_hooks(type(self).__name__, self.metrics_hooks, eval_logger, eval_aggregator, metrics_callback)
         if agents is not None and tokenizer is None:
             raise ValueError(
                 f"{type(self).__name__} needs tokenizer=... when agents are given (even as model ids): one tokenizer "
@@ -99,10 +101,9 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         critic_kwargs = self._apply_model_config(model_config, args)
         n = len(agents) if agents is not None else args.num_agents
         critic_sources = self._critic_sources(critic_model, critics, n, args)
-        self.metrics_callback = metrics_callback
         self._critic_setup = (critic_sources, critic_kwargs, critic_peft_config)  # built with the orchestrator
         super().__init__(
-            agent_model=agent_model,
+            agent_model,
             agents=agents,
             tokenizer=tokenizer,
             formatters=formatters,
@@ -113,6 +114,9 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
             args=args,
             external_transition=external_transition,
             wandb_config=wandb_config,
+            eval_logger=eval_logger,
+            eval_aggregator=eval_aggregator,
+            metrics_callback=metrics_callback,
             peft_config=peft_config,
             callbacks=callbacks,
         )
@@ -211,24 +215,24 @@ class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
         agent per turn.
 
         Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` for every turn k, plus the
-        `metrics_callback` values averaged over items with the `eval/` prefix, or `{}` without an eval_dataset.
+        custom metrics (`metrics_callback` values averaged over items, or `eval_aggregator`'s) with the `eval/` prefix,
+        or `{}` without an eval_dataset.
         """
         return super().evaluate(num_eval_samples)
 
-    def _custom_eval_metrics(self, items, completions, prompts) -> dict[str, float]:
-        if self.metrics_callback is None:
-            return {}
-        rows = []
-        for i, item in enumerate(items):
-            samples = [
-                RolloutSample(
-                    a, prompts[a][i][t], completions[a][i][t], {"turn_idx": t, "generation_idx": 0, "batch_item": item}
-                )
-                for a in range(len(self._team))
-                for t in range(len(completions[a][i]))
+    def _build_eval_metrics(self, eval_logger, eval_aggregator, metrics_callback) -> EvalMetrics | None:
+        """`metrics_callback` as the evaluation hook: each item's row is the callback's numbers on that item's
+        samples (one per agent and turn), and the rows are averaged."""
+        if metrics_callback is None:
+            return super()._build_eval_metrics(eval_logger, eval_aggregator, metrics_callback)
+
+        def rows(items, completions, prompts) -> list[dict[str, float]]:
+            return [
+                _numeric(metrics_callback(_item_samples(i, item, completions, prompts)))
+                for i, item in enumerate(items)
             ]
-            rows.append(_numeric(self.metrics_callback(samples)))
-        return _mean_rows(self._gather_lists(rows))
+
+        return EvalMetrics(rows, lambda all_rows, num_turns: _mean_rows(all_rows))
 
     # ----- saving and checkpoints -----
 
@@ -287,6 +291,17 @@ def _critic_list(critics, what: str) -> list:
     if any(critic is None for critic in critics):
         raise ValueError(f"{what} entries must not be None.")
     return list(critics)
+
+
+def _item_samples(i: int, item, completions: list, prompts: list) -> list[RolloutSample]:
+    """The evaluation `RolloutSample`s of item `i` (completions and prompts are `[agent][item][turn]`)."""
+    return [
+        RolloutSample(
+            a, prompts[a][i][t], completions[a][i][t], {"turn_idx": t, "generation_idx": 0, "batch_item": item}
+        )
+        for a in range(len(completions))
+        for t in range(len(completions[a][i]))
+    ]
 
 
 def _numeric(row) -> dict[str, float]:

@@ -16,32 +16,37 @@ class IACTrainer(ActorCriticTrainer):
     is its value target minus the critic's value (normalised per agent and turn); the actor is updated with TRL's
     clipped policy loss and the critic with the squared value error.
 
+    Every argument after `agent_model` is keyword-only: the shared ones in [`MAGRPOTrainer`]'s order (there is no
+    `num_agents`: it is `args.num_agents`), then `critic_model`, `critics`, `critic_peft_config` and `model_config`.
+
     Args:
         agent_model (`str`, *optional*):
             Model id or local path shared by all `args.num_agents` agents; the tokenizer is loaded from it.
-        critic_model (`str` or `PreTrainedModel`, *optional*):
-            With separate critics: the critic backbone, copied once per agent.
+        agents (`list`, *optional*): one model id, path or model per agent.
         tokenizer (`PreTrainedTokenizerBase` or `list`, *optional*):
             One tokenizer or one per agent; required when `agents` is given.
         reward_func (`Callable`):
             `reward_func(agent_0_completions, ..., [batch_items=[item]])`, called once per task item and turn with
             G = `num_generations` completions per agent. Returns G values (one per joint action), N values (one per
             agent) or one value (shared); with G == N the values are read as one per joint action.
-        reward_processor, formatters, train_dataset, eval_dataset, external_transition, wandb_config:
+        formatters, reward_processor, train_dataset, eval_dataset, external_transition, wandb_config:
             As in [`MAGRPOTrainer`].
         args ([`IACConfig`], *optional*): configuration.
-        model_config (`dict`, *optional*):
-            `dtype`/`torch_dtype` and `attn_implementation` (actors and critics), `model_kwargs` (actors only),
-            `critic_model_kwargs` (critics only).
         metrics_callback (`Callable`, *optional*):
             `metrics_callback(list[RolloutSample]) -> dict`: called with every agent's samples of one task item;
             logged at rollout time in training, averaged over items with the `eval/` prefix in evaluation.
             Non-numeric values are dropped.
-        agents (`list`, *optional*): one model id, path or model per agent.
-        critics (`list`, *optional*): with separate critics, one critic model id, path or model per agent.
+        eval_logger, eval_aggregator (`Callable`, *optional*):
+            Instead of `metrics_callback`: custom evaluation metrics as in [`MAGRPOTrainer`] (evaluation only).
         peft_config, critic_peft_config (`PeftConfig`, *optional*): LoRA for the actors (one or a list) and for the
             separate critics.
         callbacks (`list[TrainerCallback]`, *optional*): TRL/transformers callbacks.
+        critic_model (`str` or `PreTrainedModel`, *optional*):
+            With separate critics: the critic backbone, copied once per agent.
+        critics (`list`, *optional*): with separate critics, one critic model id, path or model per agent.
+        model_config (`dict`, *optional*):
+            `dtype`/`torch_dtype` and `attn_implementation` (actors and critics), `model_kwargs` (actors only),
+            `critic_model_kwargs` (critics only).
 
     `save_model(dir)` writes `dir/agent_i/` (each actor, with `value_head.pt` when the head is on the actor) and,
     with separate critics, `dir/agent_i/critic/` (a loadable model directory plus `value_head.pt`). Training

@@ -7,10 +7,13 @@ the weights of the generation step and held fixed. The team loop, followers, LoR
 checkpoints are [`MAGRPOTrainer`]'s.
 """
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
+from datasets import Dataset, IterableDataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
 from ...adapters.grpo import completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
@@ -111,8 +114,9 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
     """
     Trainer for cooperative LLM agents with joint direct preference optimisation (MADPO).
 
-    Arguments are those of [`MAGRPOTrainer`], with a [`MADPOConfig`]: `reward_func` (and `reward_processor`) is the
-    task reward that ranks the candidates and scores evaluation. One micro-step trains every agent on the pairs of
+    Arguments are those of [`MAGRPOTrainer`], in the same order (keyword-only after `agent_model`), with a
+    [`MADPOConfig`]: `reward_func` (and `reward_processor`) is the task reward that ranks the candidates and scores
+    evaluation; `eval_logger`/`eval_aggregator` add custom evaluation metrics. One micro-step trains every agent on the pairs of
     `per_device_train_batch_size / preference_num_candidates` task items; items whose candidates all tie add no pair.
 
     Logged per agent: `agent_i/dpo/loss`, `agent_i/dpo/accuracy` (share of pairs whose joint log-ratio is positive),
@@ -134,16 +138,53 @@ class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
     algorithm_name = "MADPO"
     model_tags = ("trl", "dpo", "comlrl_trl", "madpo")
 
-    def __init__(self, *args, **kwargs):
-        config = kwargs.get("args")
-        if config is not None and not isinstance(config, MADPOConfig):
-            raise TypeError(f"args must be a MADPOConfig, got {type(config).__name__}.")
-        if config is not None and config.per_device_train_batch_size % config.num_generations != 0:
+    def __init__(
+        self,
+        agent_model: str | PreTrainedModel | None = None,
+        *,
+        agents: Sequence[str | PreTrainedModel] | None = None,
+        num_agents: int | None = None,
+        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
+        formatters: Callable | Sequence[Callable] | None = None,
+        reward_func: Callable | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | None = None,
+        args: MADPOConfig | None = None,
+        external_transition: Callable | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        eval_logger: Callable | None = None,
+        eval_aggregator: Callable | None = None,
+        metrics_callback: Callable | None = None,
+        peft_config: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+    ):
+        if args is not None and not isinstance(args, MADPOConfig):
+            raise TypeError(f"args must be a MADPOConfig, got {type(args).__name__}.")
+        if args is not None and args.per_device_train_batch_size % args.num_generations != 0:
             raise ValueError(
-                f"per_device_train_batch_size={config.per_device_train_batch_size} must be a multiple of "
-                f"preference_num_candidates={config.num_generations}: a micro-step trains on whole items' pairs."
+                f"per_device_train_batch_size={args.per_device_train_batch_size} must be a multiple of "
+                f"preference_num_candidates={args.num_generations}: a micro-step trains on whole items' pairs."
             )
-        super().__init__(*args, **kwargs)
+        super().__init__(
+            agent_model,
+            agents=agents,
+            num_agents=num_agents,
+            tokenizer=tokenizer,
+            formatters=formatters,
+            reward_func=reward_func,
+            reward_processor=reward_processor,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            args=args,
+            external_transition=external_transition,
+            wandb_config=wandb_config,
+            eval_logger=eval_logger,
+            eval_aggregator=eval_aggregator,
+            metrics_callback=metrics_callback,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
 
     def _run_config(self) -> dict[str, Any]:
         return {

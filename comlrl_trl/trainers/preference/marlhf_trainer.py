@@ -24,6 +24,7 @@ from ...formatters import build_formatters, format_prompt
 from ...inputs import resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
+from ..metrics_hooks import check_metrics_hooks
 from .marlhf_checkpoints import MARLHFCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
 from .pairs import PreferencePair, pair_rng, pair_statistics, pairs_from_candidates, save_pairs
@@ -40,6 +41,7 @@ from .rl_stage import (
     default_source,
     sample_candidates,
     stage_config,
+    stage_trainer_cls,
 )
 
 
@@ -64,13 +66,14 @@ class MARLHFTrainer(MARLHFCheckpoints):
     Args:
         agent_model, agents, num_agents, tokenizer, formatters, reward_func, reward_processor, train_dataset,
         eval_dataset, external_transition, wandb_config, eval_logger, eval_aggregator, peft_config, callbacks:
-            As in [`MAGRPOTrainer`]. `reward_func` is the task reward: it labels the pairs and scores evaluation.
-            `train_dataset` must be a `datasets.Dataset` (pairs are collected over all of it); without one the
-            trainer can only `evaluate()`.
+            As in [`MAGRPOTrainer`], in its order (keyword-only after `agent_model`). `reward_func` is the task
+            reward: it labels the pairs and scores evaluation. `train_dataset` must be a `datasets.Dataset` (pairs
+            are collected over all of it); without one the trainer can only `evaluate()`.
         args ([`MARLHFConfig`], *optional*): configuration of all stages.
-        critic_model, critics, metrics_callback, model_config, critic_peft_config:
-            As in [`IACTrainer`]/[`MAACTrainer`], for `rl_algorithm` `"iac"` or `"maac"` only. Without
-            `critic_model`/`critics`, the critic is `args.critic_model_name` or the actors' model id.
+        metrics_callback, critic_model, critics, critic_peft_config, model_config:
+            As in [`IACTrainer`]/[`MAACTrainer`], for `rl_algorithm` `"iac"` or `"maac"` only (those stages take
+            `eval_logger`/`eval_aggregator` too). Without `critic_model`/`critics`, the critic is
+            `args.critic_model_name` or the actors' model id.
         reward_peft_config (`PeftConfig`, *optional*):
             LoRA for the reward model (e.g. `LoraConfig(task_type="SEQ_CLS", ...)`, which also trains the head).
         joint_formatter (`Callable`, *optional*): `(prompts, completions) -> str`, the joint text.
@@ -90,6 +93,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
     def __init__(
         self,
         agent_model: str | PreTrainedModel | None = None,
+        *,
         agents: Sequence[str | PreTrainedModel] | None = None,
         num_agents: int | None = None,
         tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
@@ -103,13 +107,13 @@ class MARLHFTrainer(MARLHFCheckpoints):
         wandb_config: dict[str, Any] | None = None,
         eval_logger: Callable | None = None,
         eval_aggregator: Callable | None = None,
+        metrics_callback: Callable | None = None,
         peft_config: Any = None,
         callbacks: list[TrainerCallback] | None = None,
         critic_model: str | PreTrainedModel | None = None,
         critics: Sequence[str | PreTrainedModel] | None = None,
-        metrics_callback: Callable | None = None,
-        model_config: dict[str, Any] | None = None,
         critic_peft_config: Any = None,
+        model_config: dict[str, Any] | None = None,
         reward_peft_config: Any = None,
         joint_formatter: Callable | None = None,
     ):
@@ -530,14 +534,12 @@ def _validate_inputs(
     ac_only = {
         "critic_model": critic_model,
         "critics": critics,
-        "metrics_callback": metrics_callback,
         "model_config": model_config,
         "critic_peft_config": critic_peft_config,
     }
     given = [name for name, value in ac_only.items() if value is not None]
     if given and not args.uses_actor_critic:
         raise ValueError(f"{', '.join(given)} only apply to rl_algorithm 'iac' or 'maac' (got {args.rl_algorithm!r}).")
-    if args.uses_actor_critic and (eval_logger is not None or eval_aggregator is not None):
-        raise ValueError(
-            "eval_logger/eval_aggregator apply to the REINFORCE family; actor-critic stages take metrics_callback."
-        )
+    stage = stage_trainer_cls(args)
+    owner = f"MARLHF with rl_algorithm={args.rl_algorithm!r}"
+    check_metrics_hooks(owner, stage.metrics_hooks, eval_logger, eval_aggregator, metrics_callback)

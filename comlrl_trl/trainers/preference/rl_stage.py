@@ -74,6 +74,11 @@ class MAACStageTrainer(TaskRewardEvaluation, MAACTrainer):
 ACTOR_CRITIC_STAGES = {"iac": IACStageTrainer, "maac": MAACStageTrainer}
 
 
+def stage_trainer_cls(args: MARLHFConfig) -> type[MAGRPOTrainer]:
+    """The class of the RL stage trainer for `args.rl_algorithm`."""
+    return ACTOR_CRITIC_STAGES[args.rl_algorithm] if args.uses_actor_critic else MAGRPOStageTrainer
+
+
 def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
     """The RL stage's configuration. Create it before any trainer: new TrainingArguments reset Accelerate's state.
 
@@ -138,26 +143,26 @@ def build_stage_trainer(
         args=stage_args,
         external_transition=external_transition,
         wandb_config=wandb_config,
+        eval_logger=eval_logger,
+        eval_aggregator=eval_aggregator,
+        metrics_callback=metrics_callback,
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    trainer_cls = stage_trainer_cls(args)
     if args.uses_actor_critic:
-        trainer_cls = ACTOR_CRITIC_STAGES[args.rl_algorithm]
         if args.rl_algorithm == "maac" and args.critic_value_head_hidden_dim is not None:
             # MAAC takes its critic head size through model_config; MARLHFConfig has a field for it
             model_config = {**(model_config or {}), "critic_value_head_hidden_dim": args.critic_value_head_hidden_dim}
         trainer = trainer_cls(
             critic_model=critic_model,
             critics=critics,
-            model_config=model_config,
-            metrics_callback=metrics_callback,
             critic_peft_config=critic_peft_config,
+            model_config=model_config,
             **common,
         )
     else:
-        trainer = MAGRPOStageTrainer(
-            num_agents=num_agents, eval_logger=eval_logger, eval_aggregator=eval_aggregator, **common
-        )
+        trainer = trainer_cls(num_agents=num_agents, **common)
     trainer.learned_reward = learned_reward
     return trainer
 

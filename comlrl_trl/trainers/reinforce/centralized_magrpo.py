@@ -73,16 +73,16 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     def __init__(
         self,
         *,
-        centralized_adapter=None,
-        num_agents: int | None = None,
         agent_model=None,
         agents: Sequence[Any] | None = None,
+        num_agents: int | None = None,
         tokenizer=None,
         formatters: Callable | Sequence[Callable] | None = None,
         reward_func: Callable | None = None,
         args: CentralizedMAGRPOConfig | None = None,
         eval_logger: Callable | None = None,
         eval_aggregator: Callable | None = None,
+        centralized_adapter=None,
         **kwargs,
     ):
         roles = num_agents if num_agents is not None else (args.num_agents if args is not None else 2)

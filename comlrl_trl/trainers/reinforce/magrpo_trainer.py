@@ -47,6 +47,7 @@ from ...loading import one_device_loading
 from ...orchestrator import JointRolloutOrchestrator
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
+from ..metrics_hooks import EvalMetrics, MetricsHookName, check_metrics_hooks, eval_logger_metrics
 from ..team_checkpoints import TeamCheckpoints
 from ..team_evaluation import TeamEvaluation
 from .magrpo_config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
@@ -65,6 +66,9 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     Every training step samples K completions per agent per task item (one batched `generate` per agent), scores
     the joint actions with `reward_func`, gives every completion a group-relative advantage per agent and updates
     every agent with TRL's GRPO loss.
+
+    Every argument after `agent_model` is keyword-only, in the order every team trainer shares (IAC/MAAC, MADPO and
+    MARLHF add theirs after `callbacks`).
 
     Args:
         agent_model (`str`, *optional*):
@@ -103,6 +107,9 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             Custom evaluation metrics; given together. The logger gets `agent_completions_turns`
             (`[agent][item][turn]`), `batch_items` and raw `prompts` and returns one dict per item; the
             aggregator reduces those rows (with `num_turns`) to scalars, logged with the `eval/` prefix.
+        metrics_callback (`Callable`, *optional*):
+            The actor-critic trainers' hook (`metrics_callback(rollouts)`); this trainer refuses it with a
+            TypeError that names `eval_logger`/`eval_aggregator`.
         peft_config (`PeftConfig` or `list`, *optional*):
             LoRA (or other PEFT) configuration for every agent, or one per agent (`None` entries train fully).
         callbacks (`list[TrainerCallback]`, *optional*):
@@ -119,12 +126,14 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
 
     default_config_cls = MAGRPOConfig
     follower_cls = FollowerGRPOTrainer
+    metrics_hooks: tuple[MetricsHookName, ...] = ("eval_logger",)  # the custom-metrics names it honours
     algorithm_name = "MAGRPO"
     model_tags = ("trl", "grpo", "comlrl_trl", "magrpo")
 
     def __init__(
         self,
         agent_model: str | PreTrainedModel | None = None,
+        *,
         agents: Sequence[str | PreTrainedModel] | None = None,
         num_agents: int | None = None,
         tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
@@ -138,11 +147,13 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         wandb_config: dict[str, Any] | None = None,
         eval_logger: Callable | None = None,
         eval_aggregator: Callable | None = None,
+        metrics_callback: Callable | None = None,
         peft_config: Any = None,
         callbacks: list[TrainerCallback] | None = None,
     ):
         if args is not None and not isinstance(args, MAGRPOConfig):
             raise TypeError(f"args must be a MAGRPOConfig (or a subclass), got {type(args).__name__}.")
+        check_metrics_hooks(type(self).__name__, self.metrics_hooks, eval_logger, eval_aggregator, metrics_callback)
         sources = resolve_agent_sources(agent_model, agents, num_agents, args)
         n = len(sources)
         if args is None:
@@ -152,7 +163,7 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 f"{n} agents were given but args.num_agents={args.num_agents}; set {type(args).__name__}"
                 f"(num_agents={n}) or pass the matching number of agents."
             )
-        check_trainer_inputs(args, reward_func, external_transition, eval_logger, eval_aggregator, train_dataset)
+        check_trainer_inputs(args, reward_func, external_transition, train_dataset)
         args.model_init_kwargs = one_device_loading(args.model_init_kwargs)  # no "auto" spread over every GPU
         check_datasets(train_dataset, eval_dataset, default_formatters=formatters is None)
         validate_wandb_config(wandb_config)
@@ -206,6 +217,8 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         self.eval_dataset = eval_dataset
         self.eval_logger = eval_logger
         self.eval_aggregator = eval_aggregator
+        self.metrics_callback = metrics_callback
+        self.eval_metrics = self._build_eval_metrics(eval_logger, eval_aggregator, metrics_callback)
         self.external_transition = external_transition
         self.wandb_config = wandb_config
         self.orchestrator = self._build_orchestrator(formatter_list, joint, external_transition)
@@ -226,6 +239,10 @@ class MAGRPOTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         self._follower_grad_norms = [[] for _ in range(n - 1)]
         self._setup_callbacks(wandb_config)
         self.stateful_objects()  # a user object with only one of state_dict/load_state_dict is an error now
+
+    def _build_eval_metrics(self, eval_logger, eval_aggregator, metrics_callback) -> EvalMetrics | None:
+        """The custom-metrics hook from the documented names this trainer takes (`metrics_hooks`)."""
+        return eval_logger_metrics(eval_logger, eval_aggregator) if eval_logger is not None else None
 
     def _build_orchestrator(self, formatters, joint: JointReward, external_transition) -> JointRolloutOrchestrator:
         return JointRolloutOrchestrator(self._team, formatters, joint, self.args, external_transition)
