@@ -23,8 +23,9 @@ class TeamEvaluation:
 
         Every item follows one path: one response per agent per turn, with the external transition between
         turns. Returns `eval/turn_k/reward_mean` and `eval/turn_k/expected_return` (the discounted return from
-        turn k) for every turn k, plus the custom metrics (`eval_logger`/`eval_aggregator` or `metrics_callback`), or `{}` without an
-        eval_dataset. An evaluation set that yields no item is a ValueError. Model weights are not updated.
+        turn k) for every turn k, plus the custom metrics (`eval_logger`/`eval_aggregator` or `metrics_callback`),
+        or `{}` without an eval_dataset. An evaluation set that yields no item is a ValueError. Model weights are
+        not updated.
         """
         if self.eval_dataset is None:
             return {}
