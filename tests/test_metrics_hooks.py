@@ -16,6 +16,7 @@ from comlrl_trl.trainers.preference import (
     MARLHFTrainer,
 )
 from comlrl_trl.trainers.reinforce import (
+    CentralizedMAGRPOTrainer,
     MAGRPOConfig,
     MAGRPOTrainer,
     MAREINFORCETrainer,
@@ -68,6 +69,15 @@ def test_every_family_takes_the_shared_arguments_in_one_order(trainer_cls):
     assert parameters[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[1:])  # also: no *args, no **kwargs
     assert all(p.default is None for p in parameters)
+
+
+def test_centralized_magrpo_is_keyword_only_in_the_shared_order():
+    # CoMLRL documents every argument of CentralizedMAGRPOTrainer as keyword-only; the rest go to MAGRPOTrainer.
+    parameters = list(inspect.signature(CentralizedMAGRPOTrainer).parameters.values())
+    named = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert named == [name for name in SHARED if name in named] + ["centralized_adapter"]
+    assert named[:6] == ["agent_model", "agents", "num_agents", "tokenizer", "formatters", "reward_func"]
+    assert [p.kind for p in parameters[len(named) :]] == [inspect.Parameter.VAR_KEYWORD]
 
 
 def _reward(first, second):

@@ -47,14 +47,10 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     Trains one joint policy that writes the outputs of `num_agents` roles in one completion.
 
     Args:
-        centralized_adapter (*optional*):
-            `build_prompt(item, role_prompts) -> str` and `parse_completion(completion, item, num_roles) -> list[str]`;
-            defaults to [`TaggedCentralizedComparatorAdapter`] (`<agent_i>...</agent_i>` sections). A completion it
-            cannot parse (`CentralizedComparatorParseError`) gives every role `""`.
-        num_agents (`int`, *optional*):
-            Number of roles; must equal `args.num_agents`.
         agent_model, agents, tokenizer:
             The one policy: a model id/path or `agents=[one model]`, and one tokenizer (or a one-element list).
+        num_agents (`int`, *optional*):
+            Number of roles; must equal `args.num_agents`.
         formatters:
             The roles' formatters (one for all or one per role), whose prompts the adapter joins.
         reward_func:
@@ -62,9 +58,13 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
             per role (position j: the outputs parsed from joint completion j), returning one reward per completion.
         eval_logger, eval_aggregator:
             As in [`MAGRPOTrainer`]; the logger gets the role outputs (`[role][item][turn]`).
+        centralized_adapter (*optional*):
+            `build_prompt(item, role_prompts) -> str` and `parse_completion(completion, item, num_roles) -> list[str]`;
+            defaults to [`TaggedCentralizedComparatorAdapter`] (`<agent_i>...</agent_i>` sections). A completion it
+            cannot parse (`CentralizedComparatorParseError`) gives every role `""`.
 
-    Every other argument is [`MAGRPOTrainer`]'s. `trainer.args` is the one policy's configuration (`num_agents=1`);
-    `trainer.num_roles` is the role count.
+    Every argument is keyword-only; the others are [`MAGRPOTrainer`]'s. `trainer.args` is the one policy's
+    configuration (`num_agents=1`); `trainer.num_roles` is the role count.
     """
 
     default_config_cls = CentralizedMAGRPOConfig
