@@ -193,6 +193,44 @@ def test_rewards_per_agent_reach_each_agent(qwen_path, make_config):
     assert _logged(trainer, "turn_1/reward_mean")[0] == 0.0  # the team's reward: the mean over agents
 
 
+class _CountingMetrics:
+    """A stateful metrics_callback: its count of training rollouts must survive a resume."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, samples):
+        self.calls += 1
+        return {}
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_a_stateful_metrics_callback_is_restored_on_resume(qwen_path, make_config, tmp_path):
+    def build(epochs):
+        callback = _CountingMetrics()
+        trainer = IACTrainer(
+            agent_model=qwen_path,
+            critic_model=qwen_path,
+            reward_func=_reward,
+            train_dataset=ITEMS.select(range(2)),
+            args=_config(make_config, num_train_epochs=epochs, eval_interval=0),
+            metrics_callback=callback,
+        )
+        return trainer, callback
+
+    trainer, once = build(1)
+    trainer.train(checkpoint_dir=tmp_path / "ckpt")
+    assert once.calls > 0
+    trainer, resumed = build(2)
+    trainer.train(resume_from_checkpoint=True, checkpoint_dir=tmp_path / "ckpt")
+    assert resumed.calls == 2 * once.calls  # restored from epoch 1, then the same number again in epoch 2
+
+
 def test_a_wrong_number_of_rewards_is_a_clear_error(qwen_path, make_config):
     trainer = IACTrainer(
         agent_model=qwen_path,

@@ -232,6 +232,7 @@ class TeamCheckpoints(Checkpoints):
             "external_transition": self.external_transition,
             "eval_logger": self.eval_logger,
             "eval_aggregator": self.eval_aggregator,
+            "metrics_callback": self.metrics_callback,
             "train_dataset": self.train_dataset,
             "eval_dataset": self.eval_dataset,
         }
