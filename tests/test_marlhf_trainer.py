@@ -683,7 +683,8 @@ def test_two_processes_collect_pairs_once_and_stay_in_sync(tmp_path):
         str(tmp_path),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # The rank that failed first prints its traceback first; the survivor's (a closed gloo connection) comes last.
+    assert result.returncode == 0, result.stderr[:6000] + "\n...\n" + result.stderr[-2000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     first, second = report["ranks"]
     assert first == second  # agents, reward model, pairs and MADPO agents identical on both ranks
