@@ -3,14 +3,14 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..reinforce.magrpo_config import MAGRPOConfig, post_init_with_one_generation
+from ..team.config import TeamConfig, post_init_with_one_generation
 
 
 _MIN_SAMPLES_PER_STEP = 8
 
 
 @dataclass
-class ActorCriticConfig(MAGRPOConfig):
+class ActorCriticConfig(TeamConfig):
     r"""
     Fields shared by [`IACConfig`] and [`MAACConfig`]. Every [`MAGRPOConfig`] field keeps its meaning except
     `advantage_mode`, which is unused: the baseline is the critic's value.

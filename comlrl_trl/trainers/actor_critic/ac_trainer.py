@@ -21,8 +21,8 @@ from ...core.values import value_loss
 from ...inputs import model_name
 from ...loading import load_causal_lm
 from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
-from ..metrics_hooks import EvalMetrics, check_metrics_hooks
-from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
+from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
+from ..team.trainer import FollowerGRPOTrainer, TeamTrainer
 from .ac_config import ActorCriticConfig
 from .critics import CRITIC_OPTIMIZERS_NAME
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
@@ -56,7 +56,7 @@ class ActorCriticFollower(ValueLossMixin, FollowerGRPOTrainer):
     """An actor after the first, with the value loss of its own head when it has one."""
 
 
-class ActorCriticTrainer(ValueLossMixin, MAGRPOTrainer):
+class ActorCriticTrainer(ValueLossMixin, TeamTrainer):
     """Shared construction, training, evaluation and saving of [`IACTrainer`] and [`MAACTrainer`]."""
 
     default_config_cls = ActorCriticConfig

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from ...adapters.grpo import completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
-from ..reinforce.magrpo_trainer import FollowerGRPOTrainer, MAGRPOTrainer
+from ..team.trainer import FollowerGRPOTrainer, TeamTrainer
 from .madpo_config import MADPOConfig
 from .pairs import pair_rng
 
@@ -110,7 +110,7 @@ class MADPOFollower(JointDPOLoss, FollowerGRPOTrainer):
     """An agent after the first, trained with its joint DPO term."""
 
 
-class MADPOTrainer(JointDPOLoss, MAGRPOTrainer):
+class MADPOTrainer(JointDPOLoss, TeamTrainer):
     """
     Trainer for cooperative LLM agents with joint direct preference optimisation (MADPO).
 

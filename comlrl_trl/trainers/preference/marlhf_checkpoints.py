@@ -24,7 +24,7 @@ from transformers.trainer_callback import TrainerCallback, TrainerState
 
 from ...adapters.helpers import call_save_model
 from ...checkpoint import latest_checkpoint, result_settings, stateful_objects, tokenizer_fingerprint
-from ..team_checkpoints import Checkpoints, class_path
+from ..team.checkpoints import Checkpoints, class_path
 from .pairs import load_pairs, save_pairs
 
 

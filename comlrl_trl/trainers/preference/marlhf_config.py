@@ -8,7 +8,7 @@ import torch
 
 from ...algorithms import ACTOR_CRITIC_ALGORITHMS, RL_STAGE_ALGORITHMS, get_algorithm
 from ..actor_critic.ac_config import validate_critic_fields
-from ..reinforce.magrpo_config import post_init_with_one_generation
+from ..team.config import post_init_with_one_generation
 from .preference_config import PreferenceConfig
 
 

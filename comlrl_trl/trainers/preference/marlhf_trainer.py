@@ -24,7 +24,7 @@ from ...formatters import build_formatters, format_prompt
 from ...inputs import resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
-from ..metrics_hooks import check_metrics_hooks
+from ..team.metrics_hooks import check_metrics_hooks
 from .marlhf_checkpoints import MARLHFCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
 from .pairs import PreferencePair, pair_rng, pair_statistics, pairs_from_candidates, save_pairs

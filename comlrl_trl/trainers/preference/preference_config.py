@@ -4,11 +4,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ...core.preferences import PAIR_SELECTIONS
-from ..reinforce.magrpo_config import MAGRPOConfig
+from ..team.config import TeamConfig
 
 
 @dataclass
-class PreferenceConfig(MAGRPOConfig):
+class PreferenceConfig(TeamConfig):
     r"""
     Base configuration of the preference-based trainers ([`MADPOConfig`], [`MARLHFConfig`]).
 

@@ -14,6 +14,7 @@ from ...adapters.grpo import completion_text
 from ...algorithms import get_algorithm
 from ..actor_critic import IACTrainer, MAACTrainer
 from ..reinforce.magrpo_trainer import MAGRPOTrainer
+from ..team.trainer import TeamTrainer
 from .marlhf_config import MARLHFConfig
 from .reward_model import LearnedJointReward
 
@@ -74,7 +75,7 @@ class MAACStageTrainer(TaskRewardEvaluation, MAACTrainer):
 ACTOR_CRITIC_STAGES = {"iac": IACStageTrainer, "maac": MAACStageTrainer}
 
 
-def stage_trainer_cls(args: MARLHFConfig) -> type[MAGRPOTrainer]:
+def stage_trainer_cls(args: MARLHFConfig) -> type[TeamTrainer]:
     """The class of the RL stage trainer for `args.rl_algorithm`."""
     return ACTOR_CRITIC_STAGES[args.rl_algorithm] if args.uses_actor_critic else MAGRPOStageTrainer
 
@@ -128,7 +129,7 @@ def build_stage_trainer(
     metrics_callback,
     model_config,
     critic_peft_config,
-) -> MAGRPOTrainer:
+) -> TeamTrainer:
     """The stage trainer for `args.rl_algorithm`, rewarded by `learned_reward` (no reward processor: learned scores
     are used as they are)."""
     common = dict(
@@ -167,7 +168,7 @@ def build_stage_trainer(
     return trainer
 
 
-def sample_candidates(trainer: MAGRPOTrainer, prompts: list[Any], count: int) -> list[list[str]]:
+def sample_candidates(trainer: TeamTrainer, prompts: list[Any], count: int) -> list[list[str]]:
     """`count` completions per agent for one task item (`prompts[agent]`): one batched generation per agent.
 
     Returns `[agent][candidate]`; candidate j of every agent forms joint candidate j.

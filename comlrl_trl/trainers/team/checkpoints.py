@@ -22,8 +22,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..adapters.helpers import call_save_model
-from ..checkpoint import (
+from ...adapters.helpers import call_save_model
+from ...checkpoint import (
     CHECKPOINT_VERSION,
     STATE_NAME,
     RunLock,
@@ -42,7 +42,7 @@ from ..checkpoint import (
     verify_checkpoint_once,
     write_metadata,
 )
-from ..integrations.wandb import WandbRunCallback
+from ...integrations.wandb import WandbRunCallback
 
 
 def class_path(obj) -> str:

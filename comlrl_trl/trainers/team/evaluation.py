@@ -5,7 +5,7 @@ import itertools
 
 from accelerate.utils import gather_object
 
-from ..batching import even_shard
+from ...batching import even_shard
 
 
 class TeamEvaluation:
