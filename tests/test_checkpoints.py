@@ -202,6 +202,48 @@ def test_stateful_callbacks_and_reward_functions(qwen_path, make_config, tmp_pat
     assert (callback.steps, reward.calls) == (8, 8)  # restored, then 4 more each
 
 
+class _StandInScaler:
+    """Stands in for a gradient scaler (Accelerate makes real ones only for fp16 on a GPU): `scale` leaves the loss
+    as it is, so training is unchanged; only its state travels through checkpoints."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def scale(self, loss):
+        return loss
+
+    def unscale_(self, optimizer):
+        pass
+
+    def step(self, optimizer, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    def update(self):
+        pass
+
+    def state_dict(self):
+        return {"scale": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["scale"]
+
+
+def test_every_agents_gradient_scaler_is_saved_and_restored(qwen_path, make_config, tmp_path):
+    first = _trainer(qwen_path, make_config, 1, config=dict(eval_interval=0))
+    for i, agent in enumerate(first.agent_trainers):
+        agent.accelerator.scaler = _StandInScaler(2.0 ** (8 + i))
+    first.train(checkpoint_dir=tmp_path / "ckpt")
+    (checkpoint,) = [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("checkpoint-")]
+    for i in (0, 1):  # each agent's scaler beside its optimiser, agent 0 included
+        saved = torch.load(tmp_path / "ckpt" / checkpoint / f"agent_{i}" / "scaler.pt", weights_only=True)
+        assert saved == {"scale": 2.0 ** (8 + i)}
+    resumed = _trainer(qwen_path, make_config, 2, config=dict(eval_interval=0))
+    for agent in resumed.agent_trainers:
+        agent.accelerator.scaler = _StandInScaler(1.0)
+    resumed.train(resume_from_checkpoint=True, checkpoint_dir=tmp_path / "ckpt")
+    assert [agent.accelerator.scaler.value for agent in resumed.agent_trainers] == [256.0, 512.0]
+
+
 def test_trl_save_strategy_with_lora_agents(qwen_path, make_config, tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     settings = dict(save_strategy="steps", save_steps=3, save_total_limit=2, output_dir=str(tmp_path / "out"))

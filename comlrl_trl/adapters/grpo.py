@@ -457,6 +457,10 @@ class TeamGRPOTrainer(AgentGRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(os.path.join(checkpoint, "agent_0") if checkpoint is not None else None)
 
+    def _load_scaler(self, checkpoint):
+        # Like every agent's, this agent's gradient scaler is in its own directory, beside its optimiser.
+        super()._load_scaler(os.path.join(checkpoint, "agent_0") if checkpoint is not None else None)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if resume_from_checkpoint is None or not self.is_deepspeed_enabled:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)

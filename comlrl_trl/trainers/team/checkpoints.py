@@ -198,9 +198,9 @@ class TeamCheckpoints(Checkpoints):
         self.store_flos()
         call_save_model(self.save_model, staging, internal_call=True)
         if not self.args.save_only_model:
-            for i, agent in enumerate(self.agent_trainers):
+            for i, agent in enumerate(self.agent_trainers):  # every agent's optimiser, scheduler and scaler (fp16)
                 agent.save_optimizer_state(os.path.join(staging, f"agent_{i}"))
-            self.save_scaler(staging)
+                agent.save_scaler(os.path.join(staging, f"agent_{i}"))
             self.save_rng_state(staging)
             self.save_team_extra_state(staging)
         if self.args.should_save:
