@@ -12,6 +12,14 @@ Two classes:
 - `TeamGRPOTrainer`: the agent whose `Trainer.train()` loop drives the team. It maps TRL's hooks onto named team
   hooks: `generation_step` (fill every agent's micro-batches, this one's included, through the same path),
   `save_checkpoint`, `load_checkpoint` and `load_team_extra_state`.
+
+Parked state. TRL's scoring and loss take no arguments for what the team computes, so two values are parked on the
+agent for the length of one TRL call, set and cleared in a `try`/`finally` here and nowhere else:
+
+- `_handed_in`: the rollout and the joint rewards, for the duration of `score` (TRL's `_generate` and
+  `_calculate_rewards` return them instead of generating or calling reward functions);
+- `_ratio_for`: the micro-batch whose vLLM importance-sampling ratio the loss's own forward provides, for the
+  duration of `policy_loss` (the first `_get_per_token_logps_and_entropies` call fills it in).
 """
 
 import os
