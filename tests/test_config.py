@@ -79,6 +79,7 @@ def test_defaults(out):
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
     assert (cfg.temperature, cfg.top_p, cfg.top_k) == (0.6, 0.6, 50)  # CoMLRL's sampling, not TRL's (1.0, 1.0, 0)
+    assert cfg.lr_scheduler_type == "constant"  # CoMLRL's plain AdamW, not TRL's linear decay to 0
     assert cfg.num_agents == 2
     assert cfg.num_turns == 1
     assert cfg.joint_mode == "align"

@@ -268,10 +268,16 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
         model=qwen_path,
         reward_funcs=trl_reward,
         train_dataset=dataset,
-        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling. TRL gets
-        # the same settings; they are not TRL's defaults.
+        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling and constant
+        # learning rate. TRL gets the same settings; they are not TRL's defaults.
         args=GRPOConfig(
-            output_dir=str(tmp_path / "trl"), steps_per_generation=2, temperature=0.6, top_p=0.6, top_k=50, **common
+            output_dir=str(tmp_path / "trl"),
+            steps_per_generation=2,
+            temperature=0.6,
+            top_p=0.6,
+            top_k=50,
+            lr_scheduler_type="constant",
+            **common,
         ),
     )
     reference.train()
@@ -443,3 +449,18 @@ def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_con
     expected = ((torch.exp(delta) - delta - 1) * completion_mask).sum()
     assert stats[1].item() == 4 + 2 + 1 + 3 + 4
     torch.testing.assert_close(stats[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_by_default_every_agent_keeps_its_learning_rate(qwen_path, make_config):
+    # The default schedule is constant (CoMLRL's); TRL's linear decay would end every agent's run at lr 0.
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=_items(3),
+        args=make_config(num_generations=2, max_new_tokens=4, learning_rate=0.01),
+    )
+    trainer.train()
+    assert [agent.state.global_step for agent in trainer.agent_trainers] == [3, 3]
+    for agent in trainer.agent_trainers:  # every parameter group (with and without weight decay) of every agent
+        assert agent.lr_scheduler.get_last_lr() == [0.01] * len(agent.optimizer.param_groups)
+        assert [group["lr"] for group in agent.optimizer.param_groups] == [0.01] * len(agent.optimizer.param_groups)

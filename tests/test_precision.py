@@ -108,7 +108,14 @@ def test_one_agent_matches_trl_grpo_in_bf16_within_tolerance(qwen_path, tmp_path
         model=qwen_path,
         reward_funcs=trl_reward,
         train_dataset=dataset,
-        args=GRPOConfig(output_dir=str(tmp_path / "trl"), temperature=0.6, top_p=0.6, top_k=50, **common),
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            temperature=0.6,
+            top_p=0.6,
+            top_k=50,
+            lr_scheduler_type="constant",
+            **common,
+        ),
     )
     reference.train()
     ours = MAGRPOTrainer(
