@@ -19,6 +19,7 @@ and a chart `benchmarks/results/learning.png` (mean and min-max band across seed
 
 import argparse
 import datetime
+import enum
 import json
 import os
 import platform
@@ -57,14 +58,56 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
 
 
-def cached_run(runs_dir: Path, name: str, system: str, settings: dict) -> dict:
+# The settings of ours that decide what a run learns; a cached run of ours is reused only where they are the same.
+CONFIG_FIELDS = (
+    "lr_scheduler_type",
+    "weight_decay",
+    "max_grad_norm",
+    "loss_type",
+    "epsilon",
+    "beta",
+    "num_iterations",
+    "temperature",
+    "top_p",
+    "top_k",
+    "steps_per_generation",
+    "per_device_train_batch_size",
+    "scale_rewards",
+    "advantage_mode",
+)
+
+
+def effective_config(overrides: dict) -> dict:
+    """The `CONFIG_FIELDS` of the configuration a run of ours with `overrides` trains with (library defaults
+    included), so that a cached run measured under other defaults is not taken for a current one."""
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig
+
+    config = MAGRPOConfig(output_dir="/tmp/learning-config", report_to="none", **overrides)
+    values = {name: getattr(config, name) for name in CONFIG_FIELDS}
+    return {name: value.value if isinstance(value, enum.Enum) else value for name, value in values.items()}
+
+
+def cached_run(runs_dir: Path, name: str, system: str, settings: dict, config: dict | None = None) -> dict:
     """A worker's result, reused from `runs_dir/name.json` when an earlier invocation wrote it (runs are long: a
-    stopped benchmark resumes where it stopped). Delete the directory to measure everything again."""
+    stopped benchmark resumes where it stopped). Delete the directory to measure everything again.
+
+    `config` (ours: `effective_config`) is stored with the result; a cached result measured with other values
+    (a library default changed since) raises instead of being reused."""
     path = runs_dir / f"{name}.json"
     if path.exists():
+        result = json.loads(path.read_text())
+        stored = result.get("config")
+        if config is not None and stored != config:
+            changed = sorted(k for k in config if (stored or {}).get(k) != config[k]) if stored else "unrecorded"
+            raise ValueError(
+                f"{path} was measured with other settings ({changed}: {stored} against {config} now); "
+                "delete it (or rename it for the row it belongs to) to measure again."
+            )
         print(f"  reusing {path}", flush=True)
-        return json.loads(path.read_text())
+        return result
     result = run_worker(system, settings)
+    if config is not None:
+        result["config"] = config
     runs_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result
@@ -194,7 +237,8 @@ def main():
                 continue
             settings = dict(base, seed=seed, output_dir=f"/tmp/learning-{system}-{seed}", overrides=overrides)
             print(f"{label}, seed {seed} ...", flush=True)
-            run = cached_run(args.runs_dir, f"{slug(label)}-seed{seed}", system, settings)
+            config = effective_config(overrides) if system == "ours" else None
+            run = cached_run(args.runs_dir, f"{slug(label)}-seed{seed}", system, settings, config)
             run["seed"] = seed
             rows.setdefault(label, {"system": system, "overrides": overrides, "runs": []})["runs"].append(run)
             print(

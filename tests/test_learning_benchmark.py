@@ -61,3 +61,30 @@ def test_evaluation_reward_is_the_tutorial_reward():
     # 10 and 15: ratio 1.5, 0.5 below 2 -> exp(-0.5). An empty first answer scores 0.
     rewards = length_ratio_reward(["a" * 10, "a" * 10, "a" * 10, ""], ["b" * 25, "b" * 40, "b" * 15, "b"])
     assert rewards == pytest.approx([1.0, math.exp(-1.0), math.exp(-0.5), 0.0])
+
+
+def test_the_effective_config_has_the_library_defaults_and_the_row_overrides():
+    defaults = learning.effective_config({})
+    assert (defaults["lr_scheduler_type"], defaults["temperature"], defaults["top_k"]) == ("constant", 0.6, 50)
+    linear = learning.effective_config({"lr_scheduler_type": "linear", "steps_per_generation": 1})
+    assert (linear["lr_scheduler_type"], linear["steps_per_generation"]) == ("linear", 1)
+    assert {k: v for k, v in linear.items() if k not in ("lr_scheduler_type", "steps_per_generation")} == {
+        k: v for k, v in defaults.items() if k not in ("lr_scheduler_type", "steps_per_generation")
+    }
+
+
+def test_a_cached_run_is_reused_only_under_the_same_config(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(learning, "run_worker", lambda system, settings: calls.append(system) or {"points": [1]})
+    config = {"lr_scheduler_type": "constant", "top_p": 0.6}
+    first = learning.cached_run(tmp_path, "ours-defaults-seed0", "ours", {}, config)
+    again = learning.cached_run(tmp_path, "ours-defaults-seed0", "ours", {}, dict(config))
+    assert calls == ["ours"] and first == again == {"points": [1], "config": config}  # measured once, then reused
+    # A default changed since the run was measured: refused, naming the setting, instead of reused as current.
+    with pytest.raises(ValueError, match=r"ours-defaults-seed0.json was measured with other settings \(\['top_p'\]"):
+        learning.cached_run(
+            tmp_path, "ours-defaults-seed0", "ours", {}, {"lr_scheduler_type": "constant", "top_p": 1.0}
+        )
+    # The peer's runs carry no config of ours and are reused as they are.
+    learning.cached_run(tmp_path, "peer-seed0", "peer", {})
+    assert learning.cached_run(tmp_path, "peer-seed0", "peer", {}) == {"points": [1]} and calls == ["ours", "peer"]
