@@ -173,6 +173,15 @@ def test_unknown_scale_rewards_raises(out):
 # ----- validation -----
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_an_unbounded_truncate_mode_is_refused_while_the_correction_may_be_on(out, mode):
+    unbounded = dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ValueError, match=rf"clip_max must be set when vllm_importance_sampling_mode is '{mode}'"):
+        config(out, **unbounded)  # unset: it resolves to on for an agent that samples untruncated
+    assert config(out, vllm_importance_sampling_correction=False, **unbounded).vllm_importance_sampling_mode == mode
+    assert config(out, vllm_importance_sampling_mode=mode).vllm_importance_sampling_clip_max == 3.0  # TRL's bound
+
+
 @pytest.mark.parametrize("k", [1, 0, None])
 def test_num_generations_below_two_raises(out, k):
     with pytest.raises(ValueError, match="num_generations"):

@@ -315,11 +315,28 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             # It trades compute for activation memory: on a CPU (plenty of memory, scarce compute) it only costs time.
             setattr(self, current_name, not self.use_cpu)
         self._validate_multi_agent_fields()
+        self._check_unset_correction_clips()
         self.agent_overrides = validate_agent_overrides(self)
         self._grpo_post_init()
 
     def _grpo_post_init(self):
         super().__post_init__()  # TRL's own checks and batch arithmetic
+
+    def _check_unset_correction_clips(self):
+        # TRL refuses a *_truncate mode without bounds when the correction is on; unset (None) it may resolve to on
+        # for an agent (untruncated sampling), which TRL's own check, seeing None, would let through.
+        if (
+            self.vllm_importance_sampling_correction is None
+            and self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")
+            and self.vllm_importance_sampling_clip_min is None
+            and self.vllm_importance_sampling_clip_max is None
+        ):
+            raise ValueError(
+                "At least one of vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max must be set "
+                f"when vllm_importance_sampling_mode is {self.vllm_importance_sampling_mode!r} (the correction may "
+                "be on: vllm_importance_sampling_correction is unset); or set vllm_importance_sampling_correction="
+                "False."
+            )
 
     def _check_num_generations(self):
         if self.num_generations is None or self.num_generations < 2:
