@@ -226,6 +226,10 @@ def main():
     row_seeds = args.seeds if args.row_seeds is None else args.row_seeds
     plan = [(system, system if system == "peer" else "ours (defaults)", {}, args.seeds) for system in args.systems]
     plan += [("ours", f"ours, {label}", overrides, row_seeds) for label, overrides in args.row]
+    # Once per row, before any run: a row whose overrides MAGRPOConfig refuses fails here, not after hours of runs.
+    configs = {
+        label: effective_config(overrides) if system == "ours" else None for system, label, overrides, _ in plan
+    }
 
     print("evaluating the untrained team ...", flush=True)
     initial = cached_run(args.runs_dir, "initial", "initial", dict(base, seed=0, output_dir="/tmp/learning-initial"))
@@ -237,8 +241,7 @@ def main():
                 continue
             settings = dict(base, seed=seed, output_dir=f"/tmp/learning-{system}-{seed}", overrides=overrides)
             print(f"{label}, seed {seed} ...", flush=True)
-            config = effective_config(overrides) if system == "ours" else None
-            run = cached_run(args.runs_dir, f"{slug(label)}-seed{seed}", system, settings, config)
+            run = cached_run(args.runs_dir, f"{slug(label)}-seed{seed}", system, settings, configs[label])
             run["seed"] = seed
             rows.setdefault(label, {"system": system, "overrides": overrides, "runs": []})["runs"].append(run)
             print(
