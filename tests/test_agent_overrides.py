@@ -43,7 +43,7 @@ OVERRIDES = [
 def _record_generation_configs(trainer):
     """Wrap every agent model's `generate` to record the generation config it is called with."""
     seen = [[] for _ in trainer.agents]
-    for i, agent in enumerate(trainer._team):
+    for i, agent in enumerate(trainer.agent_trainers):
         model = agent.model
         original = model.generate
 
@@ -162,7 +162,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_agent_trains_and_samples_with_its_own_values(family, qwen_path, make_config):
     trainer = FAMILIES[family](qwen_path, make_config)
-    team = trainer.rl_trainer._team if hasattr(trainer, "rl_trainer") else trainer._team
+    team = trainer.rl_trainer.agent_trainers if hasattr(trainer, "rl_trainer") else trainer.agent_trainers
     seen = _record_generation_configs(trainer.rl_trainer if hasattr(trainer, "rl_trainer") else trainer)
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
@@ -194,7 +194,7 @@ def test_no_overrides_keeps_the_config_object(qwen_path, make_config):
     config = make_config()
     trainer = MAGRPOTrainer(agent_model=qwen_path, reward_func=length_ratio_reward, train_dataset=ITEMS, args=config)
     assert trainer.args is config and config.agent_overrides is None
-    assert trainer._team[1].args.learning_rate == config.learning_rate
+    assert trainer.agent_trainers[1].args.learning_rate == config.learning_rate
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ def test_madpo_trains_every_agent_on_joint_pairs(qwen_path, make_config):
     )
     assert all(c > r for c, r in zip(chosen, rejected))
     assert trainer.env_step == 4 * 4 and len(_logged(trainer, "turn_1/reward_mean")) == 4
-    assert type(trainer._team[1]).__name__ == "MADPOFollower"
+    assert [type(agent).__name__ for agent in trainer.agent_trainers] == ["MADPOAgent", "MADPOAgent"]
 
 
 def test_each_agent_gets_the_other_agents_pre_update_log_ratios(qwen_path, make_config):
@@ -82,7 +82,7 @@ def test_each_agent_gets_the_other_agents_pre_update_log_ratios(qwen_path, make_
     assert not batches[0]["others_logratio"].requires_grad
     assert torch.equal(batches[0]["ref_logratio"], torch.zeros(num_pairs))  # reference-free by default
     # Chosen rows are the candidates with the higher task reward, for both agents (aligned joint candidates).
-    decode = [agent.processing_class.batch_decode for agent in trainer._team]
+    decode = [agent.processing_class.batch_decode for agent in trainer.agent_trainers]
     texts = [decode[a](batches[a]["completion_ids"], skip_special_tokens=True) for a in range(2)]
     rewards = length_ratio_reward(texts[0], texts[1], batch_items=rows[:1])
     assert all(rewards[p] > rewards[num_pairs + p] for p in range(num_pairs))
@@ -93,7 +93,8 @@ def test_reference_model_makes_the_first_loss_log_two(qwen_path, make_config, lo
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
     trainer = _trainer(qwen_path, make_config, config=dict(use_reference_model=True), peft_config=peft_config)
     assert trainer.args.beta == 0.5  # TRL loads the reference because beta != 0
-    assert (trainer.ref_model is None) == lora  # with LoRA the reference is the model with its adapter disabled
+    # with LoRA the reference is the model with its adapter disabled
+    assert all((agent.ref_model is None) == lora for agent in trainer.agent_trainers)
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
     for i in range(2):

@@ -150,7 +150,7 @@ def test_full_finetune_with_reference_model(qwen_path, prompts_dataset, make_con
         train_dataset=prompts_dataset,
         args=make_config(beta=0.05, max_steps=3),
     )
-    assert all(agent.ref_model is not None for agent in trainer._team)
+    assert all(agent.ref_model is not None for agent in trainer.agent_trainers)
     trainer.train()
     assert "turn_1/reference_kl_mean" in train_logs(trainer)[-1]
 
@@ -379,35 +379,28 @@ def test_lora_agents_share_the_frozen_base_weights(qwen_path, prompts_dataset, m
     assert all(torch.equal(first[n], second[n]) for n in frozen)
 
 
-def test_follower_step_skips_a_missing_gradient_norm():
-    """DeepSpeed's clip_grad_norm_ returns None when the engine computed no norm: the follower still steps and the
-    missing norm is left out of the logged mean (float(None) used to raise)."""
+def test_agent_step_with_a_missing_gradient_norm_still_steps_and_reports_none():
+    """DeepSpeed's clip_grad_norm_ returns None when the engine computed no norm: the agent still steps, schedules
+    and zeroes its gradients, and reports None (which the team leaves out of the logged mean) instead of raising on
+    float(None); the learning rate of the update is read before the scheduler steps."""
     from types import SimpleNamespace
 
     from comlrl_trl.adapters.grpo import AgentGRPOTrainer
-    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
     calls = []
     norms = iter([None, 3.0])
-    follower = SimpleNamespace(
+    rates = iter([0.5, 0.25])
+    agent = SimpleNamespace(
         _clip_grad_norm=lambda model: next(norms),
+        _get_learning_rate=lambda: next(rates),
         model_wrapped=SimpleNamespace(zero_grad=lambda: calls.append("zero")),
         optimizer=SimpleNamespace(step=lambda: calls.append("step")),
         accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
         args=SimpleNamespace(max_grad_norm=1.0),
         lr_scheduler=SimpleNamespace(step=lambda: calls.append("schedule")),
-        state=SimpleNamespace(),
     )
-    follower.optimizer_step = lambda: AgentGRPOTrainer.optimizer_step(follower)
-    team = SimpleNamespace(
-        _team=[None, follower],
-        args=SimpleNamespace(max_grad_norm=1.0),
-        _follower_grad_norms=[[]],
-        state=SimpleNamespace(global_step=0, epoch=0.0),
-    )
-    MAGRPOTrainer._step_followers(team)
-    MAGRPOTrainer._step_followers(team)
-    assert team._follower_grad_norms == [[3.0]]
+    assert AgentGRPOTrainer.optimizer_step(agent) is None and agent.last_learning_rate == 0.5
+    assert AgentGRPOTrainer.optimizer_step(agent) == 3.0 and agent.last_learning_rate == 0.25
     assert calls == ["step", "schedule", "zero"] * 2
 
 
@@ -422,7 +415,7 @@ def test_reference_kl_runs_in_chunks_and_matches_one_forward(qwen_path, make_con
         train_dataset=prompts_dataset,
         args=make_config(num_generations=2, per_device_train_batch_size=2, temperature=1.0),
     )
-    agent = trainer._team[0]
+    agent = trainer.agent_trainers[0]
     generator = torch.Generator().manual_seed(0)
     rows, prompt_len, completion_len = 5, 3, 4
     vocab = agent.model.config.vocab_size

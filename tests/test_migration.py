@@ -282,7 +282,7 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
 
     class Check(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            model, batch = trainer.model, captured["batch"]
+            model, batch = trainer.agents[0], captured["batch"]
             params = [p for p in model.parameters() if p.requires_grad]
             ours = [p.grad.detach().clone() for p in params]
             prompt_len = batch["prompt_ids"].size(1)
@@ -322,13 +322,14 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
             generation_kwargs={"sequence_bias": {(eos,): 6.0}},
         ),
     )  # EOS often: lengths vary
-    fill = trainer.fill_micro_batches
+    agent = trainer.agent_trainers[0]
+    fill = agent.fill_micro_batches
 
     def keep_batch(batch, advantages):
         fill(batch, advantages)
-        captured["batch"] = trainer.micro_batch(0)  # steps_per_generation=1: the whole generation, with advantages
+        captured["batch"] = agent.micro_batch(0)  # steps_per_generation=1: the whole generation, with advantages
 
-    trainer.fill_micro_batches = keep_batch
+    agent.fill_micro_batches = keep_batch
     trainer.train()
     lengths = captured["batch"]["completion_mask"].sum(1).tolist()
     assert len(set(lengths)) > 1, lengths  # else every token-normalised loss would agree

@@ -13,8 +13,8 @@ ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(
 
 
 def test_every_agent_trains_on_each_micro_batch_of_a_generation(qwen_path, make_config):
-    """Two micro-batches per generation (gradient accumulation 2): agent 0 and the follower must both train on
-    micro-batch 0, then 1, of their own buffered generation; never twice on the first."""
+    """Two micro-batches per generation (gradient accumulation 2): every agent must train on micro-batch 0, then 1,
+    of its own buffered generation; never twice on the first, and no agent on another agent's."""
     config = make_config(
         num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_new_tokens=4, max_steps=2
     )
@@ -22,17 +22,21 @@ def test_every_agent_trains_on_each_micro_batch_of_a_generation(qwen_path, make_
         agent_model=qwen_path, reward_func=lambda a, b: [float(len(x)) for x in b], train_dataset=ITEMS, args=config
     )
     assert trainer.args.steps_per_generation == 2
-    follower = trainer._team[1]
-    used = []  # per follower training step: the index of its micro-batch in the current buffered generation
-    original = follower.training_step
+    used = {0: [], 1: []}  # per agent and training step: the index of its micro-batch in its buffered generation
 
-    def recording(model, inputs, num_items_in_batch=None):
-        used.append(next(i for i in range(2) if follower.micro_batch(i) is inputs))
-        return original(model, inputs, num_items_in_batch)
+    def recording(agent):
+        original = agent.training_step
 
-    follower.training_step = recording
+        def step(model, inputs, num_items_in_batch=None):
+            used[agent.agent_index].append(next(i for i in range(2) if agent.micro_batch(i) is inputs))
+            return original(model, inputs, num_items_in_batch)
+
+        return step
+
+    for agent in trainer.agent_trainers:
+        agent.training_step = recording(agent)
     trainer.train()
-    assert used == [0, 1, 0, 1]  # 2 optimiser steps x 2 micro-batches
+    assert used == {0: [0, 1, 0, 1], 1: [0, 1, 0, 1]}  # 2 optimiser steps x 2 micro-batches, for every agent
 
 
 def test_cross_mode_gives_every_agent_its_own_completion_returns(qwen_path, make_config):

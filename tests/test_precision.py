@@ -57,7 +57,7 @@ def test_generation_forward_and_backward_run_in_bf16(qwen_path, tmp_path):
 
     assert seen == {"generation": {torch.bfloat16}, "training forward": {torch.bfloat16}, "backward": {torch.bfloat16}}
     # fp32 master weights and optimiser state: only the matrix products run in bf16
-    for agent in trainer._team:
+    for agent in trainer.agent_trainers:
         assert {p.dtype for p in agent.model.parameters()} == {torch.float32}
         assert {s.dtype for state in agent.optimizer.state.values() for s in state.values() if s.dim() > 0} == {
             torch.float32
@@ -177,13 +177,14 @@ def test_lora_generation_casts_the_frozen_base_once_and_keeps_it_frozen(qwen_pat
         args=_config(tmp_path, num_agents=1, bf16=True, max_new_tokens=8),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
-    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    agent = trainer.agent_trainers[0]
+    trainable = {name for name, p in agent.model.named_parameters() if p.requires_grad}
     with torch.profiler.profile(record_shapes=True) as profile:
-        trainer.generate(["Question 1: say a word"] * 4)
+        agent.generate(["Question 1: say a word"] * 4)
     # The frozen gate and up projections of the 2 layers are [64, 32]: cast to bf16 once each, not once per token.
     casts = [e for e in profile.events() if e.name == "aten::_to_copy" and e.input_shapes[:1] == [[64, 32]]]
     assert len(casts) == 4
-    assert {name for name, p in trainer.model.named_parameters() if p.requires_grad} == trainable
+    assert {name for name, p in agent.model.named_parameters() if p.requires_grad} == trainable
     assert all("lora_" in name for name in trainable)
 
 
@@ -226,7 +227,7 @@ def test_critic_and_reference_kl_forwards_run_in_bf16_when_accelerates_autocast_
             max_steps=1,
         ),
     )
-    for agent in trainer._team:
+    for agent in trainer.agent_trainers:
         agent.accelerator.native_amp = False  # DeepSpeed's setting: accelerator.autocast() does nothing
     from comlrl_trl import orchestrator
 

@@ -86,38 +86,37 @@ def test_shuffle_reads_the_row_count_from_the_first_value():
 
 def test_a_real_agent_scores_a_handed_in_rollout(qwen_path, make_config):
     """The whole seam on a tiny model: generate, score with given rewards, fill and read back the micro-batches,
-    TRL's step counter and metric store."""
-    trainer = MAGRPOTrainer(
+    and TRL's metric store."""
+    agent = MAGRPOTrainer(
         agent_model=qwen_path,
         num_agents=1,
         reward_func=lambda c: [1.0] * len(c),
         train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 2),
         args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2, max_new_tokens=4),
-    )
-    trainer.model.train()
-    rollout = trainer.generate(["Say:"] * 2)
+    ).agent_trainers[0]
+    agent.model.train()
+    rollout = agent.generate(["Say:"] * 2)
     assert isinstance(rollout, Rollout) and len(rollout.completion_ids) == 2
     assert all(len(ids) <= 4 for ids in rollout.completion_ids) and all(
         isinstance(c, str) for c in rollout.completions
     )
-    batch = trainer.score([{"prompt": "Say:"}] * 2, rollout, torch.tensor([0.0, 1.0]))
+    batch = agent.score([{"prompt": "Say:"}] * 2, rollout, torch.tensor([0.0, 1.0]))
     assert "advantages" not in batch
     assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch"} <= set(batch)
     assert batch["completion_ids"].shape[0] == 2
-    assert trainer.metrics("train")["reward"] == [0.5]  # TRL logged the handed-in rewards' mean
-    trainer.fill_micro_batches(batch, torch.tensor([-1.0, 1.0]))
-    assert sorted(trainer.micro_batch(0)["advantages"].tolist()) == [-1.0, 1.0]
-    assert trainer.slot == 0 and trainer.needs_generation
+    assert agent.metrics("train")["reward"] == [0.5]  # TRL logged the handed-in rewards' mean
+    agent.fill_micro_batches(batch, torch.tensor([-1.0, 1.0]))
+    assert sorted(agent.micro_batch(0)["advantages"].tolist()) == [-1.0, 1.0]
     with pytest.raises(RuntimeError, match="generate"):
-        trainer._generate(["Say:"])  # outside score(), generation goes through generate()
+        agent._generate(["Say:"])  # outside score(), generation goes through generate()
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_the_vllm_correction_from_the_loss_forward_equals_trls(qwen_path, make_config, monkeypatch, mode):
-    """On-policy vLLM generation takes the trainer's log-probabilities for the importance-sampling ratio from the
+    """On-policy vLLM generation takes the agent's log-probabilities for the importance-sampling ratio from the
     loss's own forward (`ratio_from_loss_forward`) instead of TRL's extra scoring forward. The batch then has no
     old log-probabilities or ratio, and the loss, its gradients and the logged ratios equal TRL's path."""
-    trainer = MAGRPOTrainer(
+    agent = MAGRPOTrainer(
         agent_model=qwen_path,
         num_agents=1,
         reward_func=lambda c: [1.0] * len(c),
@@ -130,34 +129,34 @@ def test_the_vllm_correction_from_the_loss_forward_equals_trls(qwen_path, make_c
             vllm_importance_sampling_mode=mode,
             vllm_importance_sampling_clip_max=1.5,
         ),
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
+    ).agent_trainers[0]
+    agent.model.train()
+    agent.current_gradient_accumulation_steps = 1
     rows, rewards = [{"prompt": "Say:"}] * 4, torch.tensor([0.0, 1.0, 2.0, 3.0])
-    rollout = trainer.generate(["Say:"] * 4)
-    # The engine's log-probabilities: the trainer's own, shifted by a fixed pattern (some ratios get clipped).
-    plain = trainer.score(rows, rollout, rewards)
+    rollout = agent.generate(["Say:"] * 4)
+    # The engine's log-probabilities: the agent's own, shifted by a fixed pattern (some ratios get clipped).
+    plain = agent.score(rows, rollout, rewards)
     ids = torch.cat([plain["prompt_ids"], plain["completion_ids"]], dim=1)
     mask = torch.cat([plain["prompt_mask"], plain["completion_mask"]], dim=1)
-    own = trainer.per_token_logps(trainer.model, ids, mask, plain["completion_ids"].shape[1], batch_size=4)
+    own = agent.per_token_logps(agent.model, ids, mask, plain["completion_ids"].shape[1], batch_size=4)
     shift = torch.tensor([0.3, -0.2, 0.1, -0.4, 0.05, 0.2])
     logprobs = [(own[i, : len(c)] + shift[: len(c)]).tolist() for i, c in enumerate(rollout.completion_ids)]
     rollout = rollout._replace(logprobs=logprobs)
-    trainer.use_vllm = True
-    trainer.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
+    agent.use_vllm = True
+    agent.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
     advantages = torch.tensor([-1.0, 0.0, 0.5, 2.0])  # a non-zero sum: equal ratios would not cancel out
 
     def loss_and_gradients(ratio_from_loss):
-        monkeypatch.setattr(type(trainer), "ratio_from_loss_forward", property(lambda self: ratio_from_loss))
-        trainer.metrics("train").clear()
-        batch = trainer.score(rows, rollout, rewards)
+        monkeypatch.setattr(type(agent), "ratio_from_loss_forward", property(lambda self: ratio_from_loss))
+        agent.metrics("train").clear()
+        batch = agent.score(rows, rollout, rewards)
         assert ("old_per_token_logps" in batch) is not ratio_from_loss
         assert ("importance_sampling_ratio" in batch) is not ratio_from_loss
-        trainer.model.zero_grad()
-        loss = trainer.policy_loss(trainer.model, {"advantages": advantages, **batch})
+        agent.model.zero_grad()
+        loss = agent.policy_loss(agent.model, {"advantages": advantages, **batch})
         loss.backward()
-        gradients = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
-        return loss.item(), gradients, trainer.metrics("train")["sampling/importance_sampling_ratio/mean"]
+        gradients = [p.grad.clone() for p in agent.model.parameters() if p.grad is not None]
+        return loss.item(), gradients, agent.metrics("train")["sampling/importance_sampling_ratio/mean"]
 
     trl_loss, trl_gradients, trl_ratios = loss_and_gradients(False)
     loss, gradients, ratios = loss_and_gradients(True)
@@ -168,20 +167,20 @@ def test_the_vllm_correction_from_the_loss_forward_equals_trls(qwen_path, make_c
 
 
 def test_the_correction_comes_from_the_loss_forward_only_on_policy(qwen_path, make_config):
-    trainer = MAGRPOTrainer(
+    agent = MAGRPOTrainer(
         agent_model=qwen_path,
         num_agents=1,
         reward_func=lambda c: [1.0] * len(c),
         train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 4),
         args=make_config(num_agents=1, num_generations=2, per_device_train_batch_size=2),
-    )
-    assert not trainer.ratio_from_loss_forward  # no vLLM: nothing to correct
-    trainer.use_vllm = True
-    trainer.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
-    assert trainer.ratio_from_loss_forward
-    trainer.num_iterations = 2  # a second pass over the samples after an optimiser step: TRL's scoring forward
-    trainer.args.gradient_accumulation_steps = 1
-    assert not trainer.ratio_from_loss_forward
-    trainer.num_iterations = 1
-    trainer.vllm_importance_sampling_correction = False
-    assert not trainer.ratio_from_loss_forward
+    ).agent_trainers[0]
+    assert not agent.ratio_from_loss_forward  # no vLLM: nothing to correct
+    agent.use_vllm = True
+    agent.vllm_importance_sampling_correction = True  # as use_generation_engines resolves it for top_p=1
+    assert agent.ratio_from_loss_forward
+    agent.num_iterations = 2  # a second pass over the samples after an optimiser step: TRL's scoring forward
+    agent.args.gradient_accumulation_steps = 1
+    assert not agent.ratio_from_loss_forward
+    agent.num_iterations = 1
+    agent.vllm_importance_sampling_correction = False
+    assert not agent.ratio_from_loss_forward

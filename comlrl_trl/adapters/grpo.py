@@ -4,14 +4,11 @@ Every private TRL, transformers or Accelerate name that the team trainers need i
 named, documented method; the orchestrators, critics, MADPO, MARLHF and the checkpoint code call only these. A TRL
 upgrade therefore touches this file (and `tests/test_trl_contract.py`, which pins the behaviour relied on).
 
-Two classes:
-
-- `AgentGRPOTrainer`: one agent of a team. Generation (`generate`), scoring with rewards handed in (`score`), the
-  agent's micro-batches (`fill_micro_batches`, `micro_batch`), its loss (`compute_agent_loss`), optimiser, scheduler,
-  scaler and RNG state, metrics, and the reset between training stages.
-- `TeamGRPOTrainer`: the agent whose `Trainer.train()` loop drives the team. It maps TRL's hooks onto named team
-  hooks: `generation_step` (fill every agent's micro-batches, this one's included, through the same path),
-  `save_checkpoint`, `load_checkpoint` and `load_team_extra_state`.
+`AgentGRPOTrainer` is one agent of a team, and every agent is one, of the same class: generation (`generate`),
+scoring with rewards handed in (`score`), the agent's micro-batches (`fill_micro_batches`, `micro_batch`), its
+forward/backward (`train_micro_batch`) and loss (`compute_agent_loss`), its optimiser, scheduler, scaler and RNG
+state, metrics, and the reset between training stages. An agent never runs its own `train()`: the team's loop
+(`comlrl_trl.adapters.team`, `trainers/team/trainer.py`) drives every agent alike.
 
 Parked state. TRL's scoring and loss take no arguments for what the team computes, so two values are parked on the
 agent for the length of one TRL call, set and cleared in a `try`/`finally` here and nowhere else:
@@ -22,21 +19,18 @@ agent for the length of one TRL call, set and cleared in a `try`/`finally` here 
   duration of `policy_loss` (the first `_get_per_token_logps_and_entropies` call fills it in).
 """
 
-import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, is_peft_model
+from accelerate.utils import DistributedType
 from transformers import Trainer
-from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from .sampler import fill_small_training_set
 
 
 logger = logging.get_logger(__name__)
@@ -75,6 +69,14 @@ def deepspeed_state_exists() -> bool:
     return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
 
 
+def accelerator_args_reusing_deepspeed(args: dict[str, Any]) -> dict[str, Any]:
+    """Accelerator arguments of a trainer in a process that may already run one: Accelerate refuses a DeepSpeed
+    plugin on any Accelerator but the first, so every later one (the team's agents) reuses the active plugin."""
+    if deepspeed_state_exists():
+        args["deepspeed_plugin"] = None
+    return args
+
+
 # Hooks DeepSpeedEngine registers on its module that `engine.destroy()` (DeepSpeed 0.19) leaves in place.
 _ENGINE_MODULE_HOOKS = ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check")
 
@@ -107,17 +109,17 @@ class AgentGRPOTrainer(GRPOTrainer):
     """
 
     agent_index: int = 0
-    # True for agents after the first: their Accelerator is not the first one of the process.
-    is_follower: bool = False
-    # Tags of the models this trainer pushes to the Hub (TRL's `_tag_names`).
-    model_tags: tuple[str, ...] = ("trl", "grpo", "comlrl_trl")
+    last_learning_rate: float | None = None  # the learning rate of this agent's latest optimiser update
+    _tag_names = ["trl", "grpo", "comlrl_trl"]  # TRL's Hub tags of the model; the team sets its family's
     _handed_in: tuple[Rollout, torch.Tensor] | None = None
     _warned_truncation = False
     _ratio_for: dict[str, Any] | None = None  # the micro-batch whose importance-sampling ratio the loss forward gives
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls._tag_names = list(cls.model_tags)
+    def tag_model(self, tags: tuple[str, ...]) -> None:
+        """Tag this agent's model (and its model card) for the Hub with its team's family (TRL's `_tag_names`)."""
+        self._tag_names = list(tags)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
 
     # ----- generation and scoring -----
 
@@ -183,10 +185,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         )
 
     def _prepare_inputs(self, generation_batch):
-        # An agent whose loop is the team's is handed ready micro-batches (dicts) by that loop.
+        # The team's loop hands every agent ready micro-batches (dicts); TRL would generate here.
         if isinstance(generation_batch, dict):
             return generation_batch
-        return super()._prepare_inputs(generation_batch)
+        raise RuntimeError("Agent trainers train on the micro-batches the team fills (fill_micro_batches).")
 
     def _generate(self, prompts: list):
         if self._handed_in is None:
@@ -248,16 +250,23 @@ class AgentGRPOTrainer(GRPOTrainer):
         """The micro-batch trained at accumulation step `slot` of this generation."""
         return self._buffered_inputs[slot]
 
-    @property
-    def slot(self) -> int:
-        """The micro-batch of the current optimiser micro-step (TRL's step counter modulo `steps_per_generation`)."""
-        return self._step % self.args.steps_per_generation
+    def train_micro_batch(self, slot: int, sync_gradients: bool) -> torch.Tensor:
+        """Forward and backward of micro-batch `slot` (TRL's `training_step`); returns the detached loss.
 
-    @property
-    def needs_generation(self) -> bool:
-        """Whether this micro-step starts a new generation (every `steps_per_generation * num_iterations` steps)."""
-        every = self.args.steps_per_generation * self.num_iterations
-        return self._step % every == 0 or self._buffered_inputs is None
+        Gradients are averaged over processes only when `sync_gradients` (the last micro-step of an optimiser update),
+        as transformers' loop does; DeepSpeed decides that itself from the accumulation boundary.
+        """
+        if sync_gradients or self.is_deepspeed_enabled:
+            context = nullcontext()
+        else:
+            context = self.accelerator.no_sync(self.model_wrapped)
+        with context:
+            loss = self.training_step(self.model_wrapped, self.micro_batch(slot), None)
+        if not torch.isfinite(loss).all():
+            raise FloatingPointError(
+                f"Agent {self.agent_index} produced a non-finite loss ({loss.item()}) at step {self.state.global_step}."
+            )
+        return loss
 
     # ----- loss -----
 
@@ -320,7 +329,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         """TRL's metric lists of this agent (`mode`: "train" or "eval"), which `log` averages and clears."""
         return self._metrics[mode]
 
-    # ----- optimisation outside Trainer.train() (agents whose loop is the team's) -----
+    # ----- optimisation (the team's loop drives it; an agent never runs its own `train()`) -----
 
     def prepare_for_training(self, max_steps: int, resume_from: str | None) -> None:
         """Wrap the model, create the optimiser and scheduler (restored from `resume_from` when given)."""
@@ -335,6 +344,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         if self.args.max_grad_norm > 0:
             norm = self._clip_grad_norm(self.model_wrapped)
             grad_norm = float(norm) if norm is not None else None
+        self.last_learning_rate = self._get_learning_rate()  # the rate of this update, as transformers logs it
         self.optimizer.step()
         if not self.accelerator.optimizer_step_was_skipped:
             self.lr_scheduler.step()
@@ -387,11 +397,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         return self._get_output_dir(trial=trial)
 
     def _build_accelerator_args(self, **kwargs):
-        args = super()._build_accelerator_args(**kwargs)
-        # Accelerate refuses a DeepSpeed plugin on a second Accelerator; later agents reuse the active plugin.
-        if self.is_follower and deepspeed_state_exists():
-            args["deepspeed_plugin"] = None
-        return args
+        return accelerator_args_reusing_deepspeed(super()._build_accelerator_args(**kwargs))
 
 
 class _TeamEngineSync:
@@ -413,75 +419,6 @@ def _engine_rollout(prompts: list, trainer: AgentGRPOTrainer) -> dict[str, Any]:
         raise ValueError("use_vllm=True generates from text prompts only; these prompts hold images.")
     completion_ids, logprobs = trainer.vllm_generation.engines.generate(trainer.agent_index, prompt_ids)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
-
-
-class TeamGRPOTrainer(AgentGRPOTrainer):
-    """The agent whose `Trainer.train()` loop drives a team: TRL's hooks mapped onto named team hooks.
-
-    Subclasses implement `generation_step` (fill every agent's micro-batches for one generation) and
-    `save_checkpoint`; they may extend `load_checkpoint` and `load_team_extra_state`. This agent's own checkpoint
-    files live in `checkpoint-N/agent_0`.
-    """
-
-    def generation_step(self, rows: list[dict[str, Any]]) -> None:
-        """Generate for the local generation batch `rows` and fill every agent's micro-batches."""
-        raise NotImplementedError
-
-    def save_checkpoint(self, trial=None) -> None:
-        """Write a checkpoint of the whole team."""
-        raise NotImplementedError
-
-    def load_checkpoint(self, checkpoint: str) -> None:
-        """Load the team's weights and extra state from `checkpoint` (not under DeepSpeed; see `_prepare_for_training`)."""
-        self.load_weights(os.path.join(checkpoint, "agent_0"))
-        self.load_team_extra_state(checkpoint)
-
-    def load_team_extra_state(self, checkpoint: str) -> None:
-        """Restore state beyond the agents' own (critics, value heads, ...); subclasses add theirs."""
-
-    # TRL and transformers hooks
-
-    def _prepare_inputs(self, generation_batch):
-        if isinstance(generation_batch, dict) or not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        if self.needs_generation:
-            self.generation_step(generation_batch)
-            if isinstance(getattr(self, "vllm_generation", None), _TeamEngineSync):
-                self.vllm_generation.engines.sleep()  # frees the engine's GPU memory for training (sleep mode)
-        return self.micro_batch(self.slot)
-
-    def _generate_and_score_completions(self, inputs):
-        raise RuntimeError("A team trainer generates through generation_step(), which fills every agent's batches.")
-
-    def _get_train_sampler(self, dataset=None):
-        return fill_small_training_set(super()._get_train_sampler(dataset))
-
-    def _save_checkpoint(self, model, trial) -> None:
-        self.save_checkpoint(trial)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        self.load_checkpoint(resume_from_checkpoint)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(os.path.join(checkpoint, "agent_0") if checkpoint is not None else None)
-
-    def _load_scaler(self, checkpoint):
-        # Like every agent's, this agent's gradient scaler is in its own directory, beside its optimiser.
-        super()._load_scaler(os.path.join(checkpoint, "agent_0") if checkpoint is not None else None)
-
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        if resume_from_checkpoint is None or not self.is_deepspeed_enabled:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        # Under DeepSpeed, Trainer loads the engine state from the checkpoint directory itself and skips
-        # `_load_from_checkpoint`; this agent's engine state is in checkpoint-N/agent_0, and the team's other state
-        # (critics, value heads, their optimisers) is restored here.
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        agent_dir = os.path.join(resume_from_checkpoint, "agent_0")
-        deepspeed_load_checkpoint(self.model_wrapped, agent_dir, load_module_strict=not is_peft_model(self.model))
-        self._load_optimizer_and_scheduler(resume_from_checkpoint)
-        self.load_scaler(agent_dir)
-        self.load_team_extra_state(resume_from_checkpoint)
-        return model, train_dataloader
 
 
 @contextmanager

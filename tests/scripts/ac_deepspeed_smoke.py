@@ -60,7 +60,9 @@ def main(output_dir: str) -> None:
         "RESULT "
         + json.dumps(
             {
-                "engines": [type(agent.model_wrapped).__name__ for trainer in (iac, maac) for agent in trainer._team],
+                "engines": [
+                    type(agent.model_wrapped).__name__ for trainer in (iac, maac) for agent in trainer.agent_trainers
+                ],
                 "steps": [iac.state.global_step, maac.state.global_step],
                 "heads": head_weights(iac) + head_weights(maac),  # zero at initialisation
                 "value_losses": [

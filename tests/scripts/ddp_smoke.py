@@ -64,7 +64,7 @@ def main(output_dir: str) -> None:
                     "eval": metrics,
                     "scored": scored,
                     "evaluated": evaluated,
-                    "wrapped": [type(a.model_wrapped).__name__ for a in trainer._team],
+                    "wrapped": [type(a.model_wrapped).__name__ for a in trainer.agent_trainers],
                     "dist": str(trainer.accelerator.distributed_type),
                 }
             )

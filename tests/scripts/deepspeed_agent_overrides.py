@@ -37,21 +37,23 @@ def main(output_dir: str) -> None:
     trainer = MAGRPOTrainer(
         agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=config
     )
-    before = [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in trainer._team]
+    before = [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in trainer.agent_trainers]
     trainer.train()
     changed = [
         sum(not torch.equal(before[i][n], p) for n, p in agent.model.named_parameters())
-        for i, agent in enumerate(trainer._team)
+        for i, agent in enumerate(trainer.agent_trainers)
     ]
     print(
         "RESULT "
         + json.dumps(
             {
-                "engines": [type(agent.model_wrapped).__name__ for agent in trainer._team],
+                "engines": [type(agent.model_wrapped).__name__ for agent in trainer.agent_trainers],
                 "changed": changed,
                 "parameters": [len(b) for b in before],
-                "lrs": [agent.optimizer.param_groups[0]["lr"] for agent in trainer._team],
-                "end_factors": [agent.lr_scheduler.lr_lambdas[0](trainer.state.max_steps) for agent in trainer._team],
+                "lrs": [agent.optimizer.param_groups[0]["lr"] for agent in trainer.agent_trainers],
+                "end_factors": [
+                    agent.lr_scheduler.lr_lambdas[0](trainer.state.max_steps) for agent in trainer.agent_trainers
+                ],
             }
         )
     )

@@ -77,7 +77,7 @@ def main(output_dir: str, mode: str, algorithm: str) -> None:
             {
                 "weights": [weights(m) for m in modules],
                 "steps": trainer.state.global_step,
-                "engines": [type(a.model_wrapped).__name__ for a in trainer._team],
+                "engines": [type(a.model_wrapped).__name__ for a in trainer.agent_trainers],
             }
         )
     )

@@ -39,8 +39,8 @@ def main(output_dir: str, lora: bool) -> None:
         agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=config, peft_config=peft
     )
     trainer.train()
-    engines = [type(agent.model_wrapped).__name__ for agent in trainer._team]
-    engine_steps = [agent.model_wrapped.global_steps for agent in trainer._team]
+    engines = [type(agent.model_wrapped).__name__ for agent in trainer.agent_trainers]
+    engine_steps = [agent.model_wrapped.global_steps for agent in trainer.agent_trainers]
     losses = [
         [row[f"agent_{i}/grad_norm"] for row in trainer.state.log_history if f"agent_{i}/grad_norm" in row]
         for i in range(2)

@@ -98,8 +98,8 @@ def main(output_dir: str, iterative: bool) -> None:
         "RESULT "
         + json.dumps(
             {
-                "engines": [type(agent.model_wrapped).__name__ for agent in rl._team],
-                "engine_steps": [agent.model_wrapped.global_steps for agent in rl._team],
+                "engines": [type(agent.model_wrapped).__name__ for agent in rl.agent_trainers],
+                "engine_steps": [agent.model_wrapped.global_steps for agent in rl.agent_trainers],
                 "reward_model": type(trainer.reward_model).__name__,
                 "memory": memory,
                 "reward_engines": RecordingRewardTrainer.engines,

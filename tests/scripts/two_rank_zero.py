@@ -175,7 +175,7 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
             "after": gathered,
             "sums": [total for _, total in after],
             "steps": rl.state.global_step,
-            "engines": [type(agent.model_wrapped).__name__ for agent in rl._team],
+            "engines": [type(agent.model_wrapped).__name__ for agent in rl.agent_trainers],
             "pairs": [r["preference/pairs"] for r in rl.state.log_history if "preference/pairs" in r],
             "train_seconds": round(seconds, 1),
         }

@@ -43,7 +43,7 @@ def main(output_dir: str) -> None:
     )
     trainer = IACTrainer(agent_model=tiny_model_path("qwen2"), reward_func=reward, train_dataset=dataset, args=args)
     trainer.train()
-    heads = [agent.model.value_head for agent in trainer._team]
+    heads = [agent.model.value_head for agent in trainer.agent_trainers]
     partitioned = [all(hasattr(p, "ds_id") for p in head.parameters()) for head in heads]
     trained = [gathered_state(head) for head in heads]
     export = os.path.join(output_dir, "export")

@@ -1,7 +1,6 @@
 """The actor-critic team trainer shared by IAC and MAAC.
 
-It is the MAGRPO team (agent 0's TRL `GRPOTrainer` owning the loop, followers for the other agents, the joint
-rollout tree) with three changes: advantages come from a critic (`ActorCriticOrchestrator`), the critics train on
+It is the MAGRPO team (the team's loop driving one equal `AgentGRPOTrainer` per actor, the joint rollout tree) with three changes: advantages come from a critic (`ActorCriticOrchestrator`), the critics train on
 the same micro-batches as the actors and step with them, and rewards may be per agent. TRL's clipped policy loss
 is reused as it is; TRL removed its own PPO trainer in 1.13.
 """
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
+from ...adapters.grpo import AgentGRPOTrainer
 from ...adapters.helpers import call_save_model
 from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
@@ -22,7 +22,7 @@ from ...inputs import model_name
 from ...loading import load_causal_lm
 from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
 from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
-from ..team.trainer import FollowerGRPOTrainer, TeamTrainer
+from ..team.trainer import TeamTrainer
 from .ac_config import ActorCriticConfig
 from .critics import CRITIC_OPTIMIZERS_NAME
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
@@ -31,8 +31,9 @@ from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
 _ACTOR_KEYS = ("dtype", "torch_dtype", "attn_implementation", "model_kwargs")
 
 
-class ValueLossMixin:
-    """Adds the value loss of an actor's own value head to TRL's policy loss (one forward, one backward pass)."""
+class ActorAgent(AgentGRPOTrainer):
+    """An actor: TRL's policy loss, plus the value loss of its own value head when it has one (IAC with
+    `use_separate_critic=False`), in one forward and one backward pass."""
 
     value_capture = None  # a ValueCapture when the actor carries a value head
 
@@ -52,15 +53,11 @@ class ValueLossMixin:
         return loss + self.args.value_loss_coef * vloss / normalizer
 
 
-class ActorCriticFollower(ValueLossMixin, FollowerGRPOTrainer):
-    """An actor after the first, with the value loss of its own head when it has one."""
-
-
-class ActorCriticTrainer(ValueLossMixin, TeamTrainer):
+class ActorCriticTrainer(TeamTrainer):
     """Shared construction, training, evaluation and saving of [`IACTrainer`] and [`MAACTrainer`]."""
 
     default_config_cls = ActorCriticConfig
-    follower_cls = ActorCriticFollower
+    agent_cls = ActorAgent
 
     metrics_hooks = ("eval_logger", "metrics_callback")
 
@@ -125,9 +122,9 @@ class ActorCriticTrainer(ValueLossMixin, TeamTrainer):
 
     def _build_orchestrator(self, formatters, joint, external_transition):
         self.critic_set = self._build_critics(*self._critic_setup)
-        rewards = AgentRewards(joint.reward_func, joint.reward_processor, len(self._team))
+        rewards = AgentRewards(joint.reward_func, joint.reward_processor, len(self.agent_trainers))
         return ActorCriticOrchestrator(
-            self._team,
+            self.agent_trainers,
             formatters,
             rewards,
             self.args,
@@ -180,22 +177,18 @@ class ActorCriticTrainer(ValueLossMixin, TeamTrainer):
 
     # ----- training -----
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        slot = self.slot
-        loss = super().training_step(model, inputs, num_items_in_batch)
+    def critic_micro_step(self, slot: int) -> None:
         self.critic_set.train_micro_batches(
-            slot, [agent.micro_batch(slot) for agent in self._team], self._record_metric
+            slot, [agent.micro_batch(slot) for agent in self.agent_trainers], self._record_metric
         )
-        return loss
+
+    def critic_optimizer_step(self) -> None:
+        self.critic_set.step()
 
     def _record_metric(self, key: str, value: float, agent: int | None = None) -> None:
         """The critics' metric sink: a team metric, or agent `agent`'s (logged as `agent_i/key`)."""
-        metrics = self._joint_metrics if agent is None else self._team[agent].metrics("train")
+        metrics = self._joint_metrics if agent is None else self.agent_trainers[agent].metrics("train")
         metrics[key].append(value)
-
-    def _step_followers(self):
-        super()._step_followers()
-        self.critic_set.step()
 
     def generation_step(self, rows):
         super().generation_step(rows)

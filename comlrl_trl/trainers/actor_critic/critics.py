@@ -1,7 +1,7 @@
 """The three ways an actor-critic team holds its critics.
 
 - `ActorValueHeads` (IAC, `use_separate_critic=False`): a value head on every actor; the value loss is part of
-  the actor's loss (see `ValueLossMixin`), so the actors' optimisers train the heads too.
+  the actor's loss (see `ActorAgent`), so the actors' optimisers train the heads too.
 - `SeparateCritics` (IAC): one critic model per agent, fed its actor's token ids, each with its own optimiser.
 - `JointCritic` (MAAC): one centralised critic fed the joint text of all agents (first actor's tokenizer).
 

@@ -57,7 +57,7 @@ class IACTrainer(ActorCriticTrainer):
 
     default_config_cls = IACConfig
     algorithm_name = "IAC"
-    _tag_names = ["trl", "comlrl_trl", "iac"]
+    model_tags = ("trl", "comlrl_trl", "iac")
 
     def _critic_sources(self, critic_model, critics, n: int, args) -> list:
         if not args.use_separate_critic:

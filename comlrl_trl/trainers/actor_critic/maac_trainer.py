@@ -24,7 +24,7 @@ class MAACTrainer(ActorCriticTrainer):
 
     default_config_cls = MAACConfig
     algorithm_name = "MAAC"
-    _tag_names = ["trl", "comlrl_trl", "maac"]
+    model_tags = ("trl", "comlrl_trl", "maac")
     _extra_model_config_keys = ("critic_value_head_hidden_dim",)
 
     def _critic_sources(self, critic_model, critics, n: int, args) -> list:

@@ -3,8 +3,8 @@
 Every generation step samples C joint candidates per task item with the current agents, ranks them with the task
 reward and forms chosen/rejected pairs (as MARLHF does). Agent i's loss on a pair is −log σ(β (Δ_i + Σ_{j≠i} Δ_j)),
 Δ_j being agent j's log-ratio of its chosen over its rejected completion; the other agents' terms are computed with
-the weights of the generation step and held fixed. The team loop, followers, LoRA, Accelerate, logging and
-checkpoints are [`MAGRPOTrainer`]'s.
+the weights of the generation step and held fixed. The team loop, LoRA, Accelerate, logging and checkpoints are
+[`MAGRPOTrainer`]'s; every agent is a `MADPOAgent`.
 """
 
 from collections.abc import Callable, Sequence
@@ -15,10 +15,10 @@ from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
-from ...adapters.grpo import completion_text
+from ...adapters.grpo import AgentGRPOTrainer, completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
-from ..team.trainer import FollowerGRPOTrainer, TeamTrainer
+from ..team.trainer import TeamTrainer
 from .madpo_config import MADPOConfig
 from .pairs import pair_rng
 
@@ -72,8 +72,8 @@ def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     return (per_token * completion_mask).sum(dim=1)
 
 
-class JointDPOLoss:
-    """The loss of one agent's trainer: its joint DPO term on the pair batch it was handed (chosen rows first)."""
+class MADPOAgent(AgentGRPOTrainer):
+    """An agent of a MADPO team: its loss is its joint DPO term on the pair batch it was handed (chosen rows first)."""
 
     def compute_agent_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -106,11 +106,7 @@ class JointDPOLoss:
         return loss / normalizer
 
 
-class MADPOFollower(JointDPOLoss, FollowerGRPOTrainer):
-    """An agent after the first, trained with its joint DPO term."""
-
-
-class MADPOTrainer(JointDPOLoss, TeamTrainer):
+class MADPOTrainer(TeamTrainer):
     """
     Trainer for cooperative LLM agents with joint direct preference optimisation (MADPO).
 
@@ -134,7 +130,7 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
     """
 
     default_config_cls = MADPOConfig
-    follower_cls = MADPOFollower
+    agent_cls = MADPOAgent
     algorithm_name = "MADPO"
     model_tags = ("trl", "dpo", "comlrl_trl", "madpo")
 
@@ -197,7 +193,7 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
 
     def generation_step(self, rows: list[dict[str, Any]]) -> None:
         """Sample and pair the candidates of the local generation batch; every agent gets its pair micro-batches."""
-        for agent, agent_slots in zip(self._team, self._generate_pair_batches(rows)):
+        for agent, agent_slots in zip(self.agent_trainers, self._generate_pair_batches(rows)):
             agent.set_micro_batches(agent_slots)
 
     def _generate_pair_batches(self, rows: list[dict[str, Any]]) -> list[list[dict[str, torch.Tensor]]]:
@@ -211,7 +207,7 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
         ]
         rollouts = [
             agent.generate([node.prompts[a] for node in nodes for _ in range(count)])
-            for a, agent in enumerate(self._team)
+            for a, agent in enumerate(self.agent_trainers)
         ]
         texts = [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
         item_pairs, means, chosen, rejected = [], [], [], []
@@ -238,7 +234,8 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
     def _score_slots(self, slots: list[list[tuple[int, int]]], rollouts) -> list[list[dict[str, torch.Tensor]]]:
         """Token tensors of every slot's pairs per agent, the others' log-ratios and the reference log-ratios."""
         batches = [
-            [_pair_tensors(agent, rollout, pairs) for pairs in slots] for agent, rollout in zip(self._team, rollouts)
+            [_pair_tensors(agent, rollout, pairs) for pairs in slots]
+            for agent, rollout in zip(self.agent_trainers, rollouts)
         ]
         # Processes hold different numbers of pairs (ties, pair_selection="all"): every one runs the largest count
         # of no-grad forwards, or ZeRO-3's gathers meet a process that has stopped (DeepSpeed then aborts).
@@ -249,7 +246,7 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
                 policy, reference = zip(
                     *[
                         self._logratios(agent, agent_batches[s], forwards[s])
-                        for agent, agent_batches in zip(self._team, batches)
+                        for agent, agent_batches in zip(self.agent_trainers, batches)
                     ]
                 )
             deltas = torch.stack(policy) - torch.stack(reference)  # (agents, pairs)
@@ -282,7 +279,9 @@ class MADPOTrainer(JointDPOLoss, TeamTrainer):
             with agent.accelerator.unwrap_model(agent.model).disable_adapter():
                 ref = sequence_logps(agent.model, *inputs)
         else:
-            raise RuntimeError(f"use_reference_model=True but agent {self._team.index(agent)} has no reference model.")
+            raise RuntimeError(
+                f"use_reference_model=True but agent {self.agent_trainers.index(agent)} has no reference model."
+            )
         return policy, dpo_logratio(ref[:num_pairs], ref[num_pairs:])
 
     def _log_pair_metrics(self, means: list[float], chosen: list[float], rejected: list[float]) -> None:

@@ -179,7 +179,8 @@ class MARLHFCheckpoints(Checkpoints):
         if os.path.isdir(rl_dir):
             resume = rl_dir, TrainerState.load_from_json(os.path.join(rl_dir, TRAINER_STATE_NAME)).global_step
         else:
-            rl.load_checkpoint(os.path.join(checkpoint, "actors"))
+            rl.load_agent_weights(os.path.join(checkpoint, "actors"))
+            rl.load_team_extra_state(os.path.join(checkpoint, "actors"))
             resume = None, None
         rl.load_rng_state(checkpoint)  # last: loading the reward model seeds its head
         return resume

@@ -2,7 +2,7 @@
 checkpoints, evaluation and custom-metrics hooks. Users import a family (`comlrl_trl.trainers.reinforce`, ...)."""
 
 from .config import TeamConfig
-from .trainer import FollowerGRPOTrainer, TeamTrainer
+from .trainer import TeamTrainer
 
 
-__all__ = ["FollowerGRPOTrainer", "TeamConfig", "TeamTrainer"]
+__all__ = ["TeamConfig", "TeamTrainer"]

@@ -7,7 +7,7 @@ half-written checkpoint), the metadata, and the run's progress in `comlrl_trl_st
 
 [`TeamCheckpoints`] is what a team trainer (MAGRPO family, actor-critic, MADPO, the RL stage of MARLHF) writes with it:
 `checkpoint-N/` holds `agent_i/` for every agent (weights or adapter, tokenizer, optimiser, scheduler, scaler),
-`rng_state*.pth`, TRL's `trainer_state.json`, the team's progress (env_step, followers' counters) and the metadata.
+`rng_state*.pth`, TRL's `trainer_state.json`, the team's progress (env_step, every agent's counters) and the metadata.
 MARLHF's stages write theirs with the same system (`preference/marlhf_checkpoints.py`).
 """
 
@@ -245,25 +245,29 @@ class TeamCheckpoints(Checkpoints):
             "env_step": self.env_step,
             "epoch_items": self._epoch_items,
             "last_logged_env_step": self._last_logged_env_step,
-            "followers": [
-                {"global_step": f.state.global_step, "num_input_tokens_seen": f.state.num_input_tokens_seen}
-                for f in self.agent_trainers[1:]
-            ],
+            "agents": [{"num_input_tokens_seen": agent.state.num_input_tokens_seen} for agent in self.agent_trainers],
         }
 
     # ----- loading -----
 
-    def load_checkpoint(self, checkpoint: str) -> None:
-        """Every agent's weights and the team's extra state (Trainer's resume loads the rest)."""
+    def load_agent_weights(self, checkpoint: str) -> None:
+        """Every agent's weights (full or adapter) from `checkpoint/agent_i` (not under DeepSpeed, whose engines load
+        their own when prepared)."""
         for i, agent in enumerate(self.agent_trainers):
             agent.load_weights(os.path.join(checkpoint, f"agent_{i}"))
-        self.load_team_extra_state(checkpoint)
+
+    def load_team_extra_state(self, checkpoint: str) -> None:
+        """Restore state beyond the agents' own (critics, value heads, ...); subclasses add theirs."""
 
     def _restore_team_state(self, state: dict[str, Any], checkpoint: str) -> None:
         self.env_step = state["env_step"]
         self._epoch_items = state["epoch_items"]
         self._last_logged_env_step = state["last_logged_env_step"]
         self._last_logged_global_step = self.state.global_step
-        for follower, saved in zip(self.agent_trainers[1:], state["followers"]):
-            follower.state.global_step = saved["global_step"]
-            follower.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+        # Checkpoints written before the agents were equal kept agent 0's counter in trainer_state.json.
+        agents = state.get("agents") or [
+            {"num_input_tokens_seen": self.state.num_input_tokens_seen},
+            *state["followers"],
+        ]
+        for agent, saved in zip(self.agent_trainers, agents):
+            agent.state.num_input_tokens_seen = saved["num_input_tokens_seen"]

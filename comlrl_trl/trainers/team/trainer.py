@@ -1,13 +1,16 @@
 """The team loop every family shares, on TRL.
 
-Shape: `TeamTrainer` is agent 0's TRL `GRPOTrainer` and owns the one real `Trainer.train()` loop, so TRL and
-transformers callbacks, `report_to`, LR schedules and Accelerate preparation work unchanged. Agents 1..N-1 are
-`FollowerGRPOTrainer`s, each with its own model (optionally LoRA), optimiser, scheduler and Accelerator, driven
-from this loop. At every generation a `JointRolloutOrchestrator` generates for all agents, calls the joint reward
-and returns every agent's scored batch and advantages; every agent, agent 0 included, receives them through the
-same `fill_micro_batches`, and TRL's loss then runs once per agent per micro-step. TRL's internals are reached only
-through `comlrl_trl.adapters.grpo`; checkpoints are `TeamCheckpoints`'. The families (reinforce, actor_critic,
-preference) subclass it side by side.
+Shape: `TeamTrainer` is a TRL `GRPOTrainer` that trains no model of its own (`comlrl_trl.adapters.team`). It owns
+the loop, and drives N agents that are equal: every agent, agent 0 included, is an `AgentGRPOTrainer` of the family's
+`agent_cls` with its own model (optionally LoRA), optimiser, scheduler, Accelerator and `agent_i/` checkpoint files.
+TRL and transformers callbacks, `report_to`, `save_strategy`, LR schedules and `TrainerState` are the team's.
+
+One optimiser update (`optimizer_update`) reads top-down: at every generation a `JointRolloutOrchestrator` generates
+for all agents, calls the joint reward and fills every agent's micro-batches with its scored rows and advantages;
+then every agent runs TRL's loss and backward pass on each micro-batch, every agent's optimiser steps (then the
+critics', in the actor-critic families), and the team logs, evaluates and saves. TRL's internals are reached only
+through `comlrl_trl.adapters`; checkpoints are `TeamCheckpoints`'. The families (reinforce, actor_critic, preference)
+subclass it side by side.
 """
 
 import contextlib
@@ -16,6 +19,7 @@ import gc
 import importlib.util
 import math
 import os
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -24,12 +28,14 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import TrainOutput, speed_metrics
 
-from ...adapters.grpo import AgentGRPOTrainer, TeamGRPOTrainer, joint_reward
+from ...adapters.grpo import AgentGRPOTrainer, joint_reward
 from ...adapters.helpers import call_save_model
+from ...adapters.team import TeamGRPOTrainer, TrainingPlan
 from ...agent_overrides import agent_config
 from ...checkpoint import model_fingerprint
 from ...formatters import build_formatters
@@ -54,12 +60,6 @@ from .evaluation import TeamEvaluation
 from .metrics_hooks import EvalMetrics, MetricsHookName, check_metrics_hooks, eval_logger_metrics
 
 
-class FollowerGRPOTrainer(AgentGRPOTrainer):
-    """The trainer of an agent after the first: driven by the team trainer's loop, never by its own `train()`."""
-
-    is_follower = True
-
-
 class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     """The team loop every family shares: N agents' TRL trainers, the joint rollout, checkpoints and evaluation.
 
@@ -68,10 +68,10 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     """
 
     default_config_cls = TeamConfig
-    follower_cls = FollowerGRPOTrainer
+    agent_cls = AgentGRPOTrainer  # the class of every agent's trainer (families add their loss to it)
     metrics_hooks: tuple[MetricsHookName, ...] = ("eval_logger",)  # the custom-metrics names it honours
     algorithm_name = "team"  # each family names its algorithm (logged, saved with the run)
-    model_tags = ("trl", "grpo", "comlrl_trl")
+    model_tags: tuple[str, ...] = ("trl", "grpo", "comlrl_trl")  # every agent's model's Hub tags
 
     def __init__(
         self,
@@ -119,24 +119,18 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         args.fit_precision_to_models(models)
         if isinstance(train_dataset, Dataset):
             args.fit_generation_to_dataset(len(train_dataset), evaluates=eval_dataset is not None)
-        # Every agent's args are copied before any trainer exists: creating TrainingArguments later would reset
-        # the Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
-        agent_args = [agent_config(args, 0), *(_follower_args(args, i) for i in range(1, n))]
+        # Every agent's args are copied before any agent exists: creating TrainingArguments later would reset the
+        # Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
+        agent_args = [_agent_args(args, i) for i in range(n)]
         # Without a train_dataset the trainer can only evaluate: TRL's trainers get a one-row stand-in, dropped below.
         trl_dataset = train_dataset if train_dataset is not None else Dataset.from_dict({"prompt": [""]})
 
+        # The team's Trainer first: its Accelerator is the process's first, whose state (and DeepSpeed plugin) every
+        # agent's reuses. Then the agents, all alike.
+        super().__init__(args, train_dataset, tokenizers[0], callbacks)
         with _without_trl_engines(agent_args):  # with use_vllm, the team's engines replace one TRL engine per agent
-            super().__init__(
-                model=models[0],
-                reward_funcs=[joint_reward],
-                args=agent_args[0],
-                train_dataset=trl_dataset,
-                processing_class=tokenizers[0],
-                callbacks=callbacks,
-                peft_config=peft_configs[0],
-            )
-            followers = [
-                self.follower_cls(
+            agents = [
+                self.agent_cls(
                     model=models[i],
                     reward_funcs=[joint_reward],
                     args=agent_args[i],
@@ -144,17 +138,18 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                     processing_class=tokenizers[i],
                     peft_config=peft_configs[i],
                 )
-                for i in range(1, n)
+                for i in range(n)
             ]
-        for agent in [self, *followers]:
-            agent.train_dataset = train_dataset
-        self._team = [self, *followers]
-        for index, agent in enumerate(self._team):
+        for index, agent in enumerate(agents):
             agent.agent_index = index
-        _warn_low_precision_weights(self._team, self.is_deepspeed_enabled)
+            agent.train_dataset = train_dataset
+            agent.tag_model(self.model_tags)
+        self.agent_trainers: list[AgentGRPOTrainer] = agents
+        self.attach_agent_models([agent.model for agent in agents])
+        _warn_low_precision_weights(agents, self.is_deepspeed_enabled)
         # Fingerprinted now, before training: DeepSpeed later casts weights (bf16) and ZeRO-3 empties partitioned
         # tensors, which would make a valid checkpoint look foreign on resume.
-        self.model_fingerprints = [model_fingerprint(agent.model) for agent in self._team]
+        self.model_fingerprints = [model_fingerprint(agent.model) for agent in agents]
         self._share_frozen_base_weights()
         self.generation_engines = self._start_generation_engines() if args.use_vllm else None
         self.formatters = formatter_list
@@ -179,8 +174,9 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         self._configure_checkpoints(None, 1, None)
         self._resume_path = None
         self._run_id = None
-        self._follower_loss = [0.0] * (n - 1)
-        self._follower_grad_norms = [[] for _ in range(n - 1)]
+        self._micro_steps = 0  # micro-steps of this train() call; a generation starts every generation_every of them
+        self._agent_loss_totals = torch.zeros(n, device=self.accelerator.device)  # since the last log
+        self._agent_grad_norms: list[list[float]] = [[] for _ in range(n)]  # since the last log
         self._setup_callbacks(wandb_config)
         self.stateful_objects()  # a user object with only one of state_dict/load_state_dict is an error now
 
@@ -189,24 +185,19 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         return eval_logger_metrics(eval_logger, eval_aggregator) if eval_logger is not None else None
 
     def _build_orchestrator(self, formatters, joint: JointReward, external_transition) -> JointRolloutOrchestrator:
-        return JointRolloutOrchestrator(self._team, formatters, joint, self.args, external_transition)
+        return JointRolloutOrchestrator(self.agent_trainers, formatters, joint, self.args, external_transition)
 
     # ----- the team -----
 
     @property
     def agents(self) -> list[PreTrainedModel]:
         """The agents' models, in actor order (PEFT models when training adapters)."""
-        return [agent.model for agent in self._team]
-
-    @property
-    def agent_trainers(self) -> list[AgentGRPOTrainer]:
-        """Every agent's TRL trainer, in actor order (this trainer is agent 0's)."""
-        return self._team
+        return [agent.model for agent in self.agent_trainers]
 
     @property
     def tokenizers(self) -> list[PreTrainedTokenizerBase]:
         """The agents' tokenizers, in actor order."""
-        return [agent.processing_class for agent in self._team]
+        return [agent.processing_class for agent in self.agent_trainers]
 
     def _share_frozen_base_weights(self) -> None:
         """LoRA agents on the same base model keep one copy of its frozen weights instead of N.
@@ -215,17 +206,18 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         the adapter disabled), so agents whose frozen parameters are equal can point at the same tensors. Skipped
         under DeepSpeed and FSDP, which own parameter storage.
         """
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not is_peft_model(self.model):
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return
-        shared = {name: p for name, p in self.model.named_parameters() if not p.requires_grad}
-        for follower in self._team[1:]:
-            if not is_peft_model(follower.model):
+        first_copy: dict[str, torch.nn.Parameter] = {}  # parameter name -> the first LoRA agent's frozen tensor
+        for agent in self.agent_trainers:
+            if not is_peft_model(agent.model):
                 continue
-            for name, p in follower.model.named_parameters():
-                base = shared.get(name)
+            for name, p in agent.model.named_parameters():
+                if p.requires_grad:
+                    continue
+                base = first_copy.setdefault(name, p)
                 if (
-                    not p.requires_grad
-                    and base is not None
+                    base is not p
                     and base.shape == p.shape
                     and base.dtype == p.dtype
                     and base.device == p.device
@@ -249,14 +241,14 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 "full weights after every step); use ZeRO-2 or LoRA agents."
             )
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
-        settings = {tuple(getattr(agent.args, key) for key in keys) for agent in self._team}
+        settings = {tuple(getattr(agent.args, key) for key in keys) for agent in self.agent_trainers}
         if len(settings) > 1:
             raise ValueError(
                 f"use_vllm=True samples every agent with the same {', '.join(keys)}; agent_overrides "
                 "sets different ones. Give the agents the same sampling settings, or use_vllm=False."
             )
-        models = [agent.accelerator.unwrap_model(agent.model) for agent in self._team]
-        tokenizers = [agent.processing_class for agent in self._team]
+        models = [agent.accelerator.unwrap_model(agent.model) for agent in self.agent_trainers]
+        tokenizers = [agent.processing_class for agent in self.agent_trainers]
         sampling = dict(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -292,12 +284,11 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 sleep_mode=True if args.vllm_enable_sleep_mode else None,
                 **sampling,
             )
-        for agent in self._team:
+        for agent in self.agent_trainers:
             agent.use_generation_engines(engines)
         return engines
 
     def _setup_callbacks(self, wandb_config):
-        self.add_callback(_TeamCallback(self))
         if wandb_config is not None:
             self.remove_callback(WandbCallback)  # one W&B writer: ours logs CoMLRL's documented keys against env_step
             self.add_callback(WandbRunCallback(wandb_config, self._run_config()))
@@ -308,7 +299,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         args = self.args
         return {
             "algorithm": self.algorithm_name,
-            "model_names": [agent.model.config.name_or_path for agent in self._team],
+            "model_names": [agent.model.config.name_or_path for agent in self.agent_trainers],
             **{
                 key: getattr(args, key)
                 for key in (
@@ -342,8 +333,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         checkpoint_total_limit: int | None = None,
         trial=None,
         ignore_keys_for_eval=None,
-        **kwargs,
-    ):
+    ) -> TrainOutput:
         """Train every agent for `args.num_train_epochs` epochs (the whole run, including resumed work).
 
         Args:
@@ -366,29 +356,95 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             )
         self._configure_checkpoints(checkpoint_dir, checkpoint_interval, checkpoint_total_limit)
         lock = self._claim_checkpoint_root()
+        self.is_in_train = True
         try:
             resume = self._prepare_resume(resume_from_checkpoint)
             with _long_lived_objects_frozen():
-                output = super().train(
-                    resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-                )
+                output = self._run_epochs(resume, trial)
             if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
                 self.checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
                 self.save_checkpoint(trial)
         finally:
+            self.is_in_train = False
             lock.release()
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, TeamProgressCallback):
                     callback.close()
         return output
 
+    def _run_epochs(self, resume: str | None, trial) -> TrainOutput:
+        """transformers' loop, owned by the team: the plan, every agent prepared, the epochs, the final metrics."""
+        self.accelerator.free_memory()
+        dataloader = self.get_train_dataloader()
+        plan = self.training_plan(dataloader)
+        first_epoch, skip = self.start_training_state(plan, resume, trial)
+        self._prepare_agents(plan, resume)
+        self.callback_handler.train_dataloader = dataloader
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
+        start_time, start_step = time.time(), self.state.global_step
+        for epoch in range(first_epoch, plan.num_train_epochs):
+            self._epoch_items = 0
+            self.control = self.callback_handler.on_epoch_begin(self.args, self.state, self.control)
+            for micro_batches, done in self.epoch_updates(dataloader, epoch, plan, resume, first_epoch, skip):
+                self.optimizer_update(micro_batches, epoch + done / plan.micro_steps_per_epoch, trial)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+            self._save_at_epoch_end()
+            self._log_save_evaluate(trial)
+            if self.control.should_training_stop:
+                break
+        return self._finish_training(plan, start_time, start_step)
+
+    def optimizer_update(self, micro_batches: list[list[dict[str, Any]]], epoch: float, trial=None) -> None:
+        """One optimiser update of the whole team, from its micro-steps' generation batches (`micro_batches`).
+
+        At each micro-step, a new generation starts when one is due: the joint rollout scores every agent's samples
+        with the joint reward and fills every agent's micro-batches. Then every agent trains on its micro-batch of
+        that step (TRL's loss and backward pass), and the critics on theirs. After the last micro-step every agent's
+        optimiser and scheduler step, then the critics'; the team then logs, evaluates and saves as TRL's
+        strategies (and `train(checkpoint_dir=...)`) say.
+        """
+        args, agents = self.args, self.agent_trainers
+        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+        self.current_gradient_accumulation_steps = len(micro_batches)
+        for agent in agents:
+            agent.current_gradient_accumulation_steps = len(micro_batches)
+        for k, rows in enumerate(micro_batches):
+            if self._micro_steps % (args.steps_per_generation * args.num_iterations) == 0:
+                self.generation_step(rows)  # rollout -> joint reward -> every agent's micro-batches
+                if self.generation_engines is not None:
+                    self.generation_engines.sleep()  # frees the engine's GPU memory for training (sleep mode)
+            slot, last = self._micro_steps % args.steps_per_generation, k == len(micro_batches) - 1
+            self.set_sync_gradients(last)
+            losses = [agent.train_micro_batch(slot, sync_gradients=last) for agent in agents]
+            self.critic_micro_step(slot)
+            self._agent_loss_totals += torch.stack(losses).to(self._agent_loss_totals)
+            self._micro_steps += 1
+            if not last:
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+        for agent, norms in zip(agents, self._agent_grad_norms):
+            grad_norm = agent.optimizer_step()
+            if grad_norm is not None:  # None: not clipped, or DeepSpeed computed no norm
+                norms.append(grad_norm)
+        self.critic_optimizer_step()
+        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        self.state.global_step += 1
+        self.state.epoch = epoch
+        for agent in agents:
+            agent.state.global_step, agent.state.epoch = self.state.global_step, epoch
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        self._gate_logging_on_env_steps()
+        self._log_save_evaluate(trial)
+
     def generation_step(self, rows: list[dict[str, Any]]) -> None:
-        """The team rollout of the local generation batch; fills every agent's micro-batches."""
+        """The team rollout of the local generation batch `rows`; fills every agent's micro-batches."""
         items = len(rows) // self.args.num_generations * self.accelerator.num_processes
         self._maybe_evaluate(first_item=self._epoch_items, num_items=items)
         rollout = self.orchestrator.rollout(rows, first_item_index=self._epoch_items)
         self._epoch_items += items
-        for agent, batch, advantages in zip(self._team, rollout.agent_batches, rollout.agent_advantages):
+        for agent, batch, advantages in zip(self.agent_trainers, rollout.agent_batches, rollout.agent_advantages):
             agent.fill_micro_batches(batch, advantages)
         self.env_step += rollout.env_steps
         for turn, (rewards, returns) in enumerate(zip(rollout.turn_rewards, rollout.turn_returns), start=1):
@@ -396,90 +452,113 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             self._joint_metrics[f"turn_{turn}/expected_return"].extend(self._gather_lists(returns))
         for turn, kl in enumerate(rollout.turn_reference_kl, start=1):
             self._joint_metrics[f"turn_{turn}/reference_kl_mean"].append(kl)
-            self._joint_metrics[f"turn_{turn}/reference_kl_penalty_mean"].append(self.beta * kl)
+            self._joint_metrics[f"turn_{turn}/reference_kl_penalty_mean"].append(self.args.beta * kl)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        slot = self.slot  # the micro-batch every agent trains on now
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        _check_finite_loss(loss, 0, self.state.global_step)
-        for i, follower in enumerate(self._team[1:], start=1):
-            follower.current_gradient_accumulation_steps = self.current_gradient_accumulation_steps
-            sync = self.accelerator.sync_gradients
-            context = contextlib.nullcontext() if sync else follower.accelerator.no_sync(follower.model_wrapped)
-            with context:
-                follower_loss = follower.training_step(follower.model_wrapped, follower.micro_batch(slot), None)
-            _check_finite_loss(follower_loss, i, self.state.global_step)
-            self._follower_loss[i - 1] += follower_loss.item()
-        return loss
+    def critic_micro_step(self, slot: int) -> None:
+        """Train the critics on micro-batch `slot` (the actor-critic families; the others have none)."""
+
+    def critic_optimizer_step(self) -> None:
+        """Step the critics' optimisers after the agents' (the actor-critic families; the others have none)."""
+
+    def _prepare_agents(self, plan: TrainingPlan, resume: str | None) -> None:
+        """Give every agent its optimiser and scheduler (DeepSpeed: its engine), restored with the team's state when
+        resuming, and clear the counters of a previous `train()`."""
+        if resume is not None and not self.is_deepspeed_enabled:
+            self.load_agent_weights(resume)  # a DeepSpeed engine loads its agent's weights when it is prepared
+        for i, agent in enumerate(self.agent_trainers):
+            agent.model.train()
+            agent.state.max_steps = plan.max_steps
+            agent.prepare_for_training(plan.max_steps, os.path.join(resume, f"agent_{i}") if resume else None)
+            agent.state.global_step, agent.state.epoch = self.state.global_step, self.state.epoch
+        if resume is not None:
+            self.load_team_extra_state(resume)
+            self._load_team_state(resume)
+        self._micro_steps = 0
+        self._agent_loss_totals.zero_()
+        for norms in self._agent_grad_norms:
+            norms.clear()
+        self._last_logged_global_step = self.state.global_step
+        self._train_loss_sum = 0.0
+
+    def _gate_logging_on_env_steps(self) -> None:
+        """With `logging_strategy="steps"`, `logging_steps` counts environment steps (CoMLRL's), not updates; the first
+        update always logs, so that a run shorter than `logging_steps` still reports its rewards."""
+        if self.args.logging_strategy == "steps":
+            gap = self.env_step - self._last_logged_env_step
+            self.control.should_log = gap >= self.args.logging_steps or self.state.global_step == 1
+
+    def _save_at_epoch_end(self) -> None:
+        """`train(checkpoint_dir=...)`: a checkpoint at every `checkpoint_interval`-th epoch and at the end, with the
+        metrics flushed first, so that a resumed run logs exactly the same."""
+        if self._checkpoint_dir is None:
+            return
+        self.checkpoint_sequence = round(self.state.epoch)
+        if self.checkpoint_sequence % self._checkpoint_interval == 0 or self.state.global_step >= self.state.max_steps:
+            self.control.should_save = True
+            self.control.should_log = True
+
+    def _log_save_evaluate(self, trial) -> None:
+        if self.control.should_log and self.state.global_step > self._last_logged_global_step:
+            self.log(self._team_training_logs())
+        if self.control.should_evaluate:
+            self.evaluate()
+        if self.control.should_save:
+            self.save_checkpoint(trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _finish_training(self, plan: TrainingPlan, start_time: float, start_step: int) -> TrainOutput:
+        steps = self.state.global_step - start_step
+        unlogged = self.accelerator.gather(self._agent_loss_totals[None]).mean(dim=0).sum().item()
+        train_loss = (self._train_loss_sum + unlogged) / max(steps, 1)
+        share = steps / max(self.state.max_steps, 1)  # the part of the whole schedule this call ran
+        metrics = speed_metrics("train", start_time, num_samples=plan.num_train_samples * share, num_steps=steps)
+        self.store_flos()
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = train_loss
+        self.log(metrics)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def reset_for_new_stage(self) -> None:
         """Prepare a trainer that already trained for another `train()` (MARLHF's RL stage): fresh optimisers and
         schedulers for every agent, no buffered rollout, the previous stage's counters cleared (env_step keeps
         counting)."""
-        for agent in self._team:
+        for agent in self.agent_trainers:
             agent.reset_training_state()
         self._epoch_items = 0
         self._joint_metrics.clear()
         self._last_logged_env_step = self.env_step
         self._last_logged_global_step = 0
-        self._follower_loss = [0.0] * (len(self._team) - 1)
-        for norms in self._follower_grad_norms:
-            norms.clear()
 
     def restore_env_step(self, env_step: int) -> None:
         """Continue counting environment steps from `env_step` (a resumed run)."""
         self.env_step = self._last_logged_env_step = env_step
 
-    def _prepare_followers(self):
-        """Give every other agent its optimizer and scheduler (restored when resuming) and the team state."""
-        resume = self._resume_path
-        for i, follower in enumerate(self._team[1:], start=1):
-            follower.model.train()
-            follower.state.max_steps = self.state.max_steps
-            agent_resume = os.path.join(resume, f"agent_{i}") if resume is not None else None
-            follower.prepare_for_training(self.state.max_steps, agent_resume)
-        if resume is not None:
-            self._load_team_state(resume)
-
-    def _step_followers(self):
-        for i, follower in enumerate(self._team[1:]):
-            grad_norm = follower.optimizer_step()
-            if grad_norm is not None:
-                self._follower_grad_norms[i].append(grad_norm)
-            follower.state.global_step = self.state.global_step + 1
-            follower.state.epoch = self.state.epoch
-
     # ----- logging -----
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and "train_runtime" not in logs:
-            logs = self._team_training_logs(logs)
-        Trainer.log(self, logs, start_time)
-
-    def _team_training_logs(self, logs: dict[str, float]) -> dict[str, float]:
+    def _team_training_logs(self) -> dict[str, float]:
+        """The training metrics since the last log: the team's loss (the sum of the agents'), every agent's loss,
+        gradient norm, learning rate and TRL metrics (`agent_i/...`), and the joint rollout's metrics."""
         steps = max(self.state.global_step - self._last_logged_global_step, 1)
-        out = {"env_step": self.env_step}
-        agent_losses = [logs.pop("loss")]
-        for i, total in enumerate(self._follower_loss):
-            mean = self.accelerator.gather(torch.tensor(total / steps, device=self.accelerator.device)).mean().item()
-            agent_losses.append(mean)
-            self._follower_loss[i] = 0.0
-        out["loss"] = sum(agent_losses)  # the team objective: the sum of the agents' losses
-        for i, agent_loss in enumerate(agent_losses):
-            out[f"agent_{i}/loss"] = agent_loss
-        if "grad_norm" in logs:
-            out["agent_0/grad_norm"] = logs.pop("grad_norm")
-        for i, norms in enumerate(self._follower_grad_norms, start=1):
+        losses = self.accelerator.gather(self._agent_loss_totals[None] / steps).mean(dim=0).tolist()
+        self._agent_loss_totals.zero_()
+        out = {"env_step": self.env_step, "loss": sum(losses)}  # the team objective: the sum of the agents' losses
+        self._train_loss_sum += sum(losses) * steps
+        rates = []
+        for i, (agent, loss, norms) in enumerate(zip(self.agent_trainers, losses, self._agent_grad_norms)):
+            out[f"agent_{i}/loss"] = loss
             if norms:
                 out[f"agent_{i}/grad_norm"] = sum(norms) / len(norms)
                 norms.clear()
-        out.update(logs)
-        for i, agent in enumerate(self._team):
+            rates.append(agent.last_learning_rate)
+            out[f"agent_{i}/learning_rate"] = agent.last_learning_rate
             for key, values in agent.metrics("train").items():
                 valid = [v for v in values if not math.isnan(v)]
                 if valid:
                     out[f"agent_{i}/{key}"] = sum(valid) / len(valid)
             agent.metrics("train").clear()
+        if len(set(rates)) == 1:  # TRL's key, when every agent has the same schedule
+            out["learning_rate"] = rates[0]
         for key, values in self._joint_metrics.items():
             if values:
                 out[key] = sum(values) / len(values)
@@ -499,55 +578,21 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         the team with the settings it was trained with.
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        for i, agent in enumerate(self._team):
-            path = os.path.join(output_dir, f"agent_{i}")
-            if agent is self:
-                call_save_model(super().save_model, path, _internal_call)
-            else:
-                call_save_model(agent.save_model, path, _internal_call)
+        for i, agent in enumerate(self.agent_trainers):
+            call_save_model(agent.save_model, os.path.join(output_dir, f"agent_{i}"), _internal_call)
         if self.args.should_save:
             write_team_settings(output_dir, self.args)
-
-
-class _TeamCallback(TrainerCallback):
-    """Drives the follower agents from the team loop and gates training logs on env_step."""
-
-    def __init__(self, trainer: TeamTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._prepare_followers()
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        self.trainer._epoch_items = 0
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if trainer._checkpoint_dir is not None:
-            trainer.checkpoint_sequence = round(state.epoch)
-            if trainer.checkpoint_sequence % trainer._checkpoint_interval == 0 or state.global_step >= state.max_steps:
-                control.should_save = True
-                control.should_log = True  # flush the metrics, so that a resumed run logs exactly the same
-        return control
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step_followers()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if args.logging_strategy == "steps":
-            gap = self.trainer.env_step - self.trainer._last_logged_env_step
-            # The first step always logs, so that a run shorter than logging_steps still reports its rewards.
-            control.should_log = gap >= args.logging_steps or state.global_step == 1
-        return control
 
 
 # ----- construction helpers -----
 
 
-def _follower_args(args: TeamConfig, index: int) -> TeamConfig:
-    follower = copy.deepcopy(agent_config(args, index))
-    follower.report_to = []  # only the team loop reports
-    return follower
+def _agent_args(args: TeamConfig, index: int) -> TeamConfig:
+    """Agent `index`'s own copy of the configuration, with its `agent_overrides`; only the team reports and pushes."""
+    agent = copy.deepcopy(agent_config(args, index))
+    agent.report_to = []
+    agent.push_to_hub = False
+    return agent
 
 
 @contextlib.contextmanager
@@ -596,8 +641,3 @@ def _warn_low_precision_weights(team, deepspeed: bool) -> None:
                 "precision, use LoRA, or launch with a DeepSpeed config (fp32 master weights).",
                 stacklevel=3,
             )
-
-
-def _check_finite_loss(loss: torch.Tensor, agent_idx: int, step: int) -> None:
-    if not torch.isfinite(loss).all():
-        raise FloatingPointError(f"Agent {agent_idx} produced a non-finite loss ({loss.item()}) at step {step}.")
