@@ -98,6 +98,7 @@ class JointRolloutOrchestrator:
 
     @property
     def accelerator(self):
+        """The process's collectives (gather, reduce): every agent's Accelerator shares one process state."""
         return self.agents[0].accelerator
 
     # ----- training -----
