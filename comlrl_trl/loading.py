@@ -46,8 +46,8 @@ def load_saved_adapter(source, model_kwargs: dict | None = None):
 def whole_weights():
     """Load a model with all its weights on this process even while DeepSpeed ZeRO-3 is configured.
 
-    Critics train outside the actors' DeepSpeed engines with optimisers of their own, so they must not be
-    partitioned by ZeRO-3's loading hooks.
+    Critics with optimisers of their own are loaded whole, outside the actors' engines, and get a DeepSpeed engine
+    of their own (`critics.critic_engine`), which partitions them under ZeRO-3 when it is built.
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 

@@ -63,9 +63,10 @@ class CausalLMWithValueHead(nn.Module):
         torch.save(head_state_dict(self.value_head), os.path.join(path, VALUE_HEAD_NAME))
 
 
-def _gathered(module: nn.Module, modifier_rank: int | None = None):
-    """ZeRO-3 partitions a head's parameters (each process holds a slice, the tensor itself is empty): gather them
-    for the block (`modifier_rank`: the process whose changes are kept). Nothing to do for ordinary parameters."""
+def gathered_parameters(module: nn.Module, modifier_rank: int | None = None):
+    """ZeRO-3 partitions a module's parameters (each process holds a slice, the tensor itself is empty): gather them
+    for the block (`modifier_rank`: the process whose changes are kept); every process must enter it. Nothing to do
+    for ordinary parameters."""
     params = [p for p in module.parameters() if hasattr(p, "ds_id")]
     if not params:
         return nullcontext()
@@ -76,14 +77,14 @@ def _gathered(module: nn.Module, modifier_rank: int | None = None):
 
 def head_state_dict(head: nn.Module) -> dict[str, torch.Tensor]:
     """The full state of a value head, on the CPU, also when ZeRO-3 partitions it. Every process must call it."""
-    with _gathered(head):
+    with gathered_parameters(head):
         return {name: tensor.detach().cpu().clone() for name, tensor in head.state_dict().items()}
 
 
 def load_head_state_dict(head: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a saved value head, also into one that ZeRO-3 partitions (where a plain `load_state_dict` meets empty
     tensors). Every process must call it."""
-    with _gathered(head, modifier_rank=0):
+    with gathered_parameters(head, modifier_rank=0):
         head.load_state_dict(state)
 
 

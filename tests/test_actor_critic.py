@@ -425,6 +425,60 @@ def test_critic_gradients_are_averaged_in_buckets_not_per_parameter():
         assert torch.equal(p.grad, torch.full_like(p, (i + 1) / 2)) and p.grad.shape == p.shape
 
 
+def test_rollout_value_forwards_pad_to_the_count_every_process_runs():
+    """Under ZeRO-3 every value forward gathers the partitioned weights: a process with fewer rows runs extra
+    forwards on its first row (discarded), as many as the process with the most; fewer than its chunks is refused."""
+    from comlrl_trl.trainers.actor_critic.critics import _VALUE_CHUNK, batch_values
+
+    rows, calls = _VALUE_CHUNK + 1, []
+
+    def forward(ids, mask, index):
+        calls.append(ids.size(0))
+        return torch.arange(ids.size(0), dtype=torch.float32)
+
+    batch = {"prompt_ids": torch.ones(rows, 3, dtype=torch.long), "prompt_mask": torch.ones(rows, 3, dtype=torch.long)}
+    assert batch_values(forward, batch, "v").shape == (rows,) and calls == [_VALUE_CHUNK, 1]
+    calls.clear()
+    values = batch_values(forward, batch, "v", num_forwards=4)
+    assert calls == [_VALUE_CHUNK, 1, 1, 1] and values.shape == (rows,)
+    with pytest.raises(ValueError, match="fewer than the 2 chunks"):
+        batch_values(forward, batch, "v", num_forwards=1)
+
+
+def test_a_critic_engine_config_follows_the_agents_plugin_with_the_critics_own_optimiser():
+    """The critic's engine: the plugin's ZeRO settings ("auto" buckets from the critic's hidden size, other "auto"
+    values dropped), the run's batch, accumulation, clipping and bf16, no optimiser section (its own AdamW), and the
+    accumulation ended by the caller's step."""
+    from types import SimpleNamespace
+
+    from comlrl_trl.trainers.actor_critic.critics import critic_engine_config
+
+    plugin = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "scheduler": {"type": "WarmupLR"},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "overlap_comm": "auto", "offload_param": {}},
+        "steps_per_print": float("inf"),
+    }
+    args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=3, max_grad_norm=0.5, bf16=True)
+    config = critic_engine_config(plugin, args, hidden=8)
+    assert config == {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 64, "offload_param": {}},
+        "steps_per_print": float("inf"),
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "managed_gradient_accumulation": False,
+    }
+    assert plugin["zero_optimization"]["reduce_bucket_size"] == "auto"  # the agents' plugin is left as it was
+
+
 def test_a_bf16_critic_keeps_fp32_master_weights_and_fp16_is_refused(qwen_path, make_config):
     """A critic loaded in bf16 is stepped by its own plain AdamW: its trainable weights are stored in fp32 (bf16
     comes from autocast), and fp16, which would need a gradient scaler for the value loss, is refused."""

@@ -80,9 +80,11 @@ def test_two_process_actor_critic_keeps_actors_and_critics_in_sync(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_deepspeed_zero_actor_critic(tmp_path, stage):
-    """Value heads inside the DeepSpeed engines (IAC) and a critic beside them (MAAC) train under ZeRO."""
+    """Value heads inside the agents' DeepSpeed engines (IAC) and a critic in an engine of its own (MAAC) train
+    under ZeRO."""
     report = run_torchrun("ac_deepspeed_smoke.py", tmp_path, 1, zero_stage=stage)
     assert report["engines"] == ["DeepSpeedEngine"] * 4 and report["steps"] == [2, 2]
+    assert report["critic_engines"] == ["DeepSpeedEngine"]
     assert len(report["heads"]) == 3 and all(weight > 0 for weight in report["heads"])
     assert report["value_losses"] == [2, 2]
 
@@ -204,20 +206,24 @@ def test_deepspeed_madpo_single_process(tmp_path, stage):
         ("2", "magrpo"),
         ("3", "magrpo"),
         pytest.param("2", "maac", marks=pytest.mark.slow),
+        pytest.param("3", "maac", marks=pytest.mark.slow),
         pytest.param("3", "iac", marks=pytest.mark.slow),
     ],
 )
 def test_deepspeed_resume_is_exact_for_every_agent_critic_and_head(tmp_path, stage, algorithm):
     """Resuming from checkpoint-1 under ZeRO-2/3 ends with the weights of the uninterrupted run: agent 0's engine
-    state is read from checkpoint-N/agent_0 (Trainer looked in checkpoint-N and refused), critics, heads and critic
-    optimisers are restored (Trainer skips _load_from_checkpoint under DeepSpeed), and the model fingerprint is taken
-    before DeepSpeed changes the tensors (ZeRO-3's empty partitions made the checkpoint look foreign)."""
+    state is read from checkpoint-N/agent_0 (Trainer looked in checkpoint-N and refused), heads and the critics'
+    engines (weights and optimiser state, from checkpoint-N/critic_engine) are restored (Trainer skips
+    _load_from_checkpoint under DeepSpeed), and the model fingerprints are taken before DeepSpeed changes the tensors
+    (ZeRO-3's empty partitions made the checkpoint look foreign)."""
     full = run_torchrun("deepspeed_resume.py", tmp_path, 1, "full", algorithm, zero_stage=stage)
     resumed = run_torchrun("deepspeed_resume.py", tmp_path, 1, "resume", algorithm, zero_stage=stage)
     assert full["engines"] == resumed["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
     assert resumed["steps"] == full["steps"]
     assert len(full["weights"]) == (3 if algorithm == "maac" else 2)  # the agents (with their heads), the critic
     assert resumed["weights"] == full["weights"]
+    if algorithm == "maac":  # the critic's own engine wrote its checkpoint (weights, ZeRO's optimiser partitions)
+        assert os.path.isdir(tmp_path / "ckpt" / "checkpoint-1" / "critic_engine" / "state")
 
 
 # Optimiser steps of each family's run in two_rank_zero.py: 8 items, 4 per rank. MAGRPO: 4 completions per step =
@@ -243,16 +249,23 @@ def test_every_family_on_two_zero_ranks_with_uneven_work(tmp_path, stage, family
     assert report["steps"] == TWO_RANK_STEPS[family]
     if family == "madpo":  # C(4, 2) pairs of rank 0's item per step, none on rank 1
         assert report["pairs"] == [6.0] * 4
+    critics = report["critic_engines"]  # the critics (which trained: their hashes changed) in engines of their own
+    assert [critic["engine"] for critic in critics] == ["DeepSpeedEngine"] * {"iac": 2, "maac": 1}.get(family, 0)
+    for critic in critics:  # ZeRO-3 partitions the critic's weights over the two ranks; ZeRO-2 keeps them whole
+        assert critic["partitioned"] == (stage == "3")
+        assert critic["local"] < critic["full"] * 0.6 if stage == "3" else critic["local"] == critic["full"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_two_zero_ranks_resume_to_the_weights_of_the_uninterrupted_run(tmp_path, stage):
-    """MAGRPO on two ZeRO ranks, 2 epochs with a checkpoint per epoch; resuming from checkpoint-1 ends with the
-    uninterrupted run's weights on both ranks (every rank's engine state and RNG restored)."""
-    full = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "full", zero_stage=stage)
-    resumed = run_torchrun("two_rank_zero.py", tmp_path, 2, "resume", "resume", zero_stage=stage)
+@pytest.mark.parametrize("family", ["resume", "resume_maac"])
+def test_two_zero_ranks_resume_to_the_weights_of_the_uninterrupted_run(tmp_path, stage, family):
+    """MAGRPO (`resume`) or MAAC (`resume_maac`, its critic in an engine of its own) on two ZeRO ranks, 2 epochs with
+    a checkpoint per epoch; resuming from checkpoint-1 ends with the uninterrupted run's weights on both ranks (every
+    rank's engine state, its partitions of the critic's engine, and RNG restored)."""
+    full = run_torchrun("two_rank_zero.py", tmp_path, 2, family, "full", zero_stage=stage)
+    resumed = run_torchrun("two_rank_zero.py", tmp_path, 2, family, "resume", zero_stage=stage)
     assert full["steps"] == resumed["steps"] == 4  # 2 steps per epoch
     assert full["after"][0] == full["after"][1] == resumed["after"][0] == resumed["after"][1]
     assert all(after != before for after, before in zip(full["after"][0], full["before"]))

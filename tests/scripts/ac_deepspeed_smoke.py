@@ -1,4 +1,5 @@
-"""IAC with heads on the actors, and MAAC, under DeepSpeed in one process (CPU): heads and critics train.
+"""IAC with heads on the actors, and MAAC (its critic in a DeepSpeed engine of its own), under DeepSpeed in one
+process (CPU): heads and critics train.
 
 Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> torchrun --nproc_per_node 1 ...
 """
@@ -64,6 +65,7 @@ def main(output_dir: str) -> None:
                     type(agent.model_wrapped).__name__ for trainer in (iac, maac) for agent in trainer.agent_trainers
                 ],
                 "steps": [iac.state.global_step, maac.state.global_step],
+                "critic_engines": [type(engine).__name__ for engine in maac.critic_set.engines],
                 "heads": head_weights(iac) + head_weights(maac),  # zero at initialisation
                 "value_losses": [
                     len([r for r in t.state.log_history if key in r])

@@ -2,13 +2,15 @@
 
 Each run must finish (every process joins the same forwards and collectives) and end with the same weights on
 both ranks: rank 0 prints a SHA-256 of every trained module (agents with their value heads, critics), per rank,
-before and after training (and rank 0's parameter sums). Uneven work: rank 1's rewards all tie (MAGRPO/IAC/MAAC advantages of zero, MADPO and
+before and after training (and rank 0's parameter sums), and each critic's own DeepSpeed engine (its type, and
+under ZeRO-3 the parameter elements rank 0 holds against the full count). Uneven work: rank 1's rewards all tie (MAGRPO/IAC/MAAC advantages of zero, MADPO and
 MARLHF pairs only on rank 0), MADPO selects every pair on rank 0 (3 no-grad chunks against rank 1's one), sampled
 completion lengths differ per rank, and `magrpo_multi_turn` expands every item into a second turn.
 
 Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> torchrun --nproc_per_node 2 ...
           <output_dir> <family> [full|resume]
-families: magrpo magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume
+families: magrpo magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume resume_maac (the last two: 2 epochs,
+a checkpoint per epoch; `resume` resumes from checkpoint-1)
 """
 
 import hashlib
@@ -100,7 +102,9 @@ def build(family: str, output_dir: str):
             train_dataset=items,
             args=IACConfig(per_device_train_batch_size=2, use_separate_critic=True, **common),
         )
-    if family == "maac":
+    if family in ("maac", "resume_maac"):
+        if family == "resume_maac":
+            common["num_train_epochs"] = 2
         return MAACTrainer(
             agent_model=path,
             critic_model=path,
@@ -148,6 +152,24 @@ def build(family: str, output_dir: str):
     raise ValueError(f"unknown family {family!r}")
 
 
+def critic_engines(trainer) -> list[dict]:
+    """Each critic with an optimiser of its own: its engine's type, whether ZeRO-3 partitions every parameter
+    (`ds_id`), and the elements this rank holds against the full count (a ZeRO-3 rank holds about half)."""
+    critic_set = getattr(trainer, "critic_set", None)
+    report = []
+    for engine in getattr(critic_set, "engines", []):
+        params = list(engine.module.parameters())
+        report.append(
+            {
+                "engine": type(engine).__name__,
+                "partitioned": all(hasattr(p, "ds_id") for p in params),
+                "local": sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in params),
+                "full": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in params),
+            }
+        )
+    return report
+
+
 def modules(trainer) -> list:
     rl = getattr(trainer, "rl_trainer", trainer)  # MARLHF: the agents of its RL stage
     return [*rl.agents, *getattr(rl, "critics", [])]  # an actor's value head is one of its modules
@@ -157,7 +179,7 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
     trainer = build(family, output_dir)
     before = [fingerprint(m)[0] for m in modules(trainer)]
     start = time.perf_counter()
-    if family == "resume":
+    if family.startswith("resume"):
         checkpoints = os.path.join(output_dir, "ckpt")
         resume = os.path.join(checkpoints, "checkpoint-1") if mode == "resume" else None
         trainer.train(resume_from_checkpoint=resume, checkpoint_dir=checkpoints)
@@ -176,6 +198,7 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
             "sums": [total for _, total in after],
             "steps": rl.state.global_step,
             "engines": [type(agent.model_wrapped).__name__ for agent in rl.agent_trainers],
+            "critic_engines": critic_engines(rl),
             "pairs": [r["preference/pairs"] for r in rl.state.log_history if "preference/pairs" in r],
             "train_seconds": round(seconds, 1),
         }

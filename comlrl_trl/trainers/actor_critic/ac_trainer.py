@@ -5,7 +5,6 @@ the same micro-batches as the actors and step with them, and rewards may be per 
 is reused as it is; TRL removed its own PPO trainer in 1.13.
 """
 
-import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from numbers import Real
@@ -16,7 +15,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 
 from ...adapters.grpo import AgentGRPOTrainer
 from ...adapters.helpers import call_save_model
-from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
 from ...inputs import model_name
 from ...loading import load_causal_lm
@@ -24,7 +22,6 @@ from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positio
 from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
 from ..team.trainer import TeamTrainer
 from .ac_config import ActorCriticConfig
-from .critics import CRITIC_OPTIMIZERS_NAME
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
 
 
@@ -237,8 +234,7 @@ class ActorCriticTrainer(TeamTrainer):
         self.critic_set.save(output_dir)
 
     def save_team_extra_state(self, checkpoint: str) -> None:
-        if self.args.should_save and self.critic_set.optimizer_state():
-            torch.save(self.critic_set.optimizer_state(), os.path.join(checkpoint, CRITIC_OPTIMIZERS_NAME))
+        self.critic_set.save_state(checkpoint)  # every process: the critics' DeepSpeed engines write their shards
 
     def load_team_extra_state(self, checkpoint: str) -> None:
         self.critic_set.load(checkpoint)
@@ -247,7 +243,7 @@ class ActorCriticTrainer(TeamTrainer):
         return {
             **super().compatibility(),
             "critic_type": self.args.critic_type,
-            "critics": [model_fingerprint(critic) for critic in self.critic_set.critics],
+            "critics": list(self.critic_set.fingerprints),  # taken before DeepSpeed casts or partitions them
         }
 
     def _run_config(self) -> dict[str, Any]:
