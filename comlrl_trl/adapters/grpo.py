@@ -69,6 +69,11 @@ def deepspeed_state_exists() -> bool:
     return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
 
 
+def zero3_enabled(trainer) -> bool:
+    """Whether `trainer` (a transformers `Trainer`) runs under DeepSpeed ZeRO-3, which partitions its weights."""
+    return bool(trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
 def accelerator_args_reusing_deepspeed(args: dict[str, Any]) -> dict[str, Any]:
     """Accelerator arguments of a trainer in a process that may already run one: Accelerate refuses a DeepSpeed
     plugin on any Accelerator but the first, so every later one (the team's agents) reuses the active plugin."""
@@ -372,29 +377,12 @@ class AgentGRPOTrainer(GRPOTrainer):
         """Write the optimiser and scheduler state (DeepSpeed: the engine's checkpoint) into `output_dir`."""
         Trainer._save_optimizer_and_scheduler(self, output_dir)
 
-    def load_optimizer_state(self, checkpoint: str | None) -> None:
-        Trainer._load_optimizer_and_scheduler(self, checkpoint)
-
-    def save_rng_state(self, output_dir: str) -> None:
-        """Write the Python, NumPy, torch and device RNG states of this process into `output_dir`."""
-        Trainer._save_rng_state(self, output_dir)
-
-    def load_rng_state(self, checkpoint: str) -> None:
-        Trainer._load_rng_state(self, checkpoint)
-
     def save_scaler(self, output_dir: str) -> None:
         Trainer._save_scaler(self, output_dir)
-
-    def load_scaler(self, checkpoint: str) -> None:
-        Trainer._load_scaler(self, checkpoint)
 
     def load_weights(self, checkpoint: str) -> None:
         """Load the agent's weights (full or adapter) from a checkpoint's agent directory."""
         Trainer._load_from_checkpoint(self, checkpoint)
-
-    def checkpoint_root(self, trial=None) -> str:
-        """Where TRL's `save_strategy` writes `checkpoint-N` directories (`args.output_dir`, per trial)."""
-        return self._get_output_dir(trial=trial)
 
     def _build_accelerator_args(self, **kwargs):
         return accelerator_args_reusing_deepspeed(super()._build_accelerator_args(**kwargs))

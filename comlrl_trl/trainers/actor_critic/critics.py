@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...adapters.grpo import zero3_enabled
 from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
 from ...hardware import training_autocast
@@ -87,14 +88,10 @@ def value_forwards(trainer, rows: list[int]) -> list[int] | None:
     """The no-grad value forwards every process runs for each of its batches (`rows[s]` rows, `_VALUE_CHUNK` at a
     time) under ZeRO-3: the largest count over processes (one gather), since every forward gathers the partitioned
     weights with a collective. None (each process its own chunks) elsewhere."""
-    if not is_zero3(trainer) or trainer.accelerator.num_processes == 1:
+    if not zero3_enabled(trainer) or trainer.accelerator.num_processes == 1:
         return None
     local = torch.tensor([-(-r // _VALUE_CHUNK) for r in rows], device=trainer.accelerator.device)
     return trainer.accelerator.gather(local[None]).amax(dim=0).tolist()
-
-
-def is_zero3(trainer) -> bool:
-    return bool(trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
 def critic_adamw(params, args) -> torch.optim.AdamW:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import RewardConfig
 
-from ...adapters.grpo import release_accelerator
+from ...adapters.grpo import release_accelerator, zero3_enabled
 from ...adapters.reward import active_deepspeed_plugin
 from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
@@ -348,7 +348,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
             trainer.remove_callback(PrinterCallback)  # this trainer logs the stage's metrics itself (self.log)
             trainer.remove_callback(ProgressCallback)
             output = trainer.train()
-            keep_engine = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+            keep_engine = zero3_enabled(trainer)
         self._release_reward_trainer()
         if keep_engine:
             self._reward_trainer = trainer  # ZeRO-3 weights stay partitioned: scoring needs the engine's hooks

@@ -33,7 +33,7 @@ from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
-from ...adapters.grpo import AgentGRPOTrainer, joint_reward
+from ...adapters.grpo import AgentGRPOTrainer, joint_reward, zero3_enabled
 from ...adapters.helpers import call_save_model
 from ...adapters.team import TeamGRPOTrainer, TrainingPlan
 from ...agent_overrides import agent_config
@@ -174,7 +174,8 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         self._configure_checkpoints(None, 1, None)
         self._resume_path = None
         self._run_id = None
-        self._micro_steps = 0  # micro-steps of this train() call; a generation starts every generation_every of them
+        # micro-steps of this train() call; a generation starts every steps_per_generation * num_iterations of them
+        self._micro_steps = 0
         self._agent_loss_totals = torch.zeros(n, device=self.accelerator.device)  # since the last log
         self._agent_grad_norms: list[list[float]] = [[] for _ in range(n)]  # since the last log
         self._setup_callbacks(wandb_config)
@@ -235,7 +236,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 "use_vllm=True needs vLLM, which is not installed: `make install-vllm` (a venv with the "
                 "CPU build) or `pip install 'comlrl-trl[vllm]'`."
             )
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if zero3_enabled(self):
             raise ValueError(
                 "use_vllm=True with DeepSpeed ZeRO-3 is not supported yet (the engines read each agent's "
                 "full weights after every step); use ZeRO-2 or LoRA agents."
