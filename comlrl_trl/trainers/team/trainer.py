@@ -39,6 +39,7 @@ from ...adapters.team import TeamGRPOTrainer, TrainingPlan
 from ...agent_overrides import agent_config
 from ...checkpoint import model_fingerprint
 from ...formatters import build_formatters
+from ...hardware import keep_freed_cpu_memory
 from ...inputs import (
     check_datasets,
     check_trainer_inputs,
@@ -108,6 +109,8 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 f"(num_agents={n}) or pass the matching number of agents."
             )
         check_trainer_inputs(args, reward_func, external_transition, train_dataset)
+        if args.use_cpu and args.keep_freed_cpu_memory:
+            keep_freed_cpu_memory()
         args.model_init_kwargs = one_device_loading(args.model_init_kwargs)  # no "auto" spread over every GPU
         check_datasets(train_dataset, eval_dataset, default_formatters=formatters is None)
         validate_wandb_config(wandb_config)
