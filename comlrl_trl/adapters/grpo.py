@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from .sampling import finite_top_p
 
 
 logger = logging.get_logger(__name__)
@@ -133,9 +134,14 @@ class AgentGRPOTrainer(GRPOTrainer):
         """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding.
 
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
-        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused.
+        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. Top-p filtering
+        sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the same tokens as transformers.
         """
-        with self.accelerator.autocast(), _frozen_weights_cast_once(self.model, self.accelerator.device.type):
+        with (
+            self.accelerator.autocast(),
+            _frozen_weights_cast_once(self.model, self.accelerator.device.type),
+            finite_top_p(),
+        ):
             return Rollout(*super()._generate(prompts))
 
     def use_generation_engines(self, engines) -> None:
