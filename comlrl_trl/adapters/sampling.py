@@ -1,9 +1,10 @@
 """Faster nucleus (top-p) filtering for transformers' `generate` when top-k has already left few tokens.
 
 transformers applies top-k, then top-p. Its `TopPLogitsWarper` sorts the whole vocabulary at every decoding step,
-although after top-k (the default `top_k=50`) all but k scores are `-inf`. On a CPU that sort of SmolLM2's 49k
-scores was the largest single cost of sampling: 13-15 ms per decoding step of 8 rows, against 3 ms for the filter
-here, which sorts only the finite scores and keeps exactly the tokens transformers keeps. transformers' own filter
+although after top-k (the default `top_k=50`) all but k scores are `-inf`. The filter here sorts only the finite
+scores and keeps exactly the tokens transformers keeps: on a CPU, 3 ms against 13-15 ms per decoding step of 8 rows
+of random scores, and 4% less CPU time for a whole SmolLM2 `generate` call (8 rows, 48 tokens, bf16: 4.04 against
+4.22 s), where the filter is one of many per-token costs. transformers' own filter
 runs where more than `_MAX_SORTED` scores are finite (no top-k, or a large one) and where the cut falls between
 two equal scores (a quarter of the steps with SmolLM2's bf16 logits), whose order only its sort decides.
 """
