@@ -428,7 +428,8 @@ def _head_scores_completions_only():
     tokens) on Triton devices, and every position, prompt included, elsewhere: devices that compile kernels (Neuron)
     would recompile for every new number of positions. A CPU compiles nothing, and there scoring the prompt too made
     the head, its backward and its fp32 gradient of the vocabulary matrix cost several times what the completions
-    need. The values are the same either way: positions without a label get log-probability 0 and no gradient.
+    need. The values are TRL's up to the rounding of a matrix product over fewer rows; positions without a label
+    get log-probability 0 and no gradient either way.
     """
     use_triton = _TRL_UTILS._use_triton
     _TRL_UTILS._use_triton = lambda device: device.type == "cpu" or use_triton(device)
