@@ -160,3 +160,15 @@ def test_agents_generate_with_finite_top_p(qwen_path, make_config, prompts_datas
     assert len(rollout.completion_ids) == 4
     assert 1 <= len(filtered) <= 8  # once per decoding step (max_new_tokens=8): top_p=0.6 and top_k=50 by default
     assert generation_utils.TopPLogitsWarper.__name__ == "TopPLogitsWarper"  # transformers' own again afterwards
+
+
+def test_replaced_attribute_comes_back_after_an_error():
+    import types
+
+    from comlrl_trl.adapters.helpers import attribute_replaced
+
+    module = types.SimpleNamespace(pick=min)
+    with pytest.raises(RuntimeError), attribute_replaced(module, "pick", max):
+        assert module.pick(1, 2) == 2
+        raise RuntimeError("generation failed")
+    assert module.pick(1, 2) == 1

@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from .helpers import attribute_replaced
 from .sampling import finite_top_p
 
 
@@ -134,13 +135,14 @@ class AgentGRPOTrainer(GRPOTrainer):
         """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding.
 
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
-        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. Top-p filtering
-        sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the same tokens as transformers.
+        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU, top-p
+        filtering sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the same tokens as transformers
+        (on a GPU the full sort is cheap, and the filter's checks would wait for the device at every token).
         """
         with (
             self.accelerator.autocast(),
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
-            finite_top_p(),
+            finite_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
         ):
             return Rollout(*super()._generate(prompts))
 
@@ -420,7 +422,6 @@ def _engine_rollout(prompts: list, trainer: AgentGRPOTrainer) -> dict[str, Any]:
 _TRL_UTILS = importlib.import_module("trl.trainer.utils")
 
 
-@contextmanager
 def _head_scores_completions_only():
     """Let TRL's fused log-probability head score only the completion positions on a CPU, as it does on GPUs.
 
@@ -432,11 +433,7 @@ def _head_scores_completions_only():
     get log-probability 0 and no gradient either way.
     """
     use_triton = _TRL_UTILS._use_triton
-    _TRL_UTILS._use_triton = lambda device: device.type == "cpu" or use_triton(device)
-    try:
-        yield
-    finally:
-        _TRL_UTILS._use_triton = use_triton
+    return attribute_replaced(_TRL_UTILS, "_use_triton", lambda device: device.type == "cpu" or use_triton(device))
 
 
 @contextmanager

@@ -6,9 +6,9 @@ The rest of the package calls the wrappers below, so a TRL or transformers upgra
 (`tests/test_trl_boundary.py` keeps every other deep TRL import and private keyword argument out of the package).
 """
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Literal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -46,3 +46,15 @@ def call_save_model(save_model: Callable[..., None], output_dir: str, internal_c
     `save_model` keeps accepting `_internal_call` (the Trainer passes it) and forwards it through here.
     """
     save_model(output_dir, _internal_call=internal_call)
+
+
+@contextmanager
+def attribute_replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """A block in which `owner.name` (a module's function or class that TRL or transformers looks up at call time)
+    is `value`; the original is back after the block, also when it raises."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

@@ -9,11 +9,11 @@ runs where more than `_MAX_SORTED` scores are finite (no top-k, or a large one) 
 two equal scores (a quarter of the steps with SmolLM2's bf16 logits), whose order only its sort decides.
 """
 
-from contextlib import contextmanager
-
 import torch
 import transformers.generation.utils as generation_utils
 from transformers.generation.logits_process import TopPLogitsWarper
+
+from .helpers import attribute_replaced
 
 
 # Above this many finite scores in a row, sorting them all is transformers' own path.
@@ -48,12 +48,6 @@ class FiniteTopPLogitsWarper(TopPLogitsWarper):
         return scores.masked_fill(~keep, self.filter_value)
 
 
-@contextmanager
 def finite_top_p():
     """While `generate` runs, build `FiniteTopPLogitsWarper` where transformers builds its `TopPLogitsWarper`."""
-    original = generation_utils.TopPLogitsWarper
-    generation_utils.TopPLogitsWarper = FiniteTopPLogitsWarper
-    try:
-        yield
-    finally:
-        generation_utils.TopPLogitsWarper = original
+    return attribute_replaced(generation_utils, "TopPLogitsWarper", FiniteTopPLogitsWarper)
