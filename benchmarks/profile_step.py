@@ -161,6 +161,7 @@ def main() -> None:
         if args.ops
         else nullcontext()
     )
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
     start, wall = cpu_seconds(), time.perf_counter()
     if profiler:
         profiler.enable()
@@ -169,6 +170,7 @@ def main() -> None:
     if profiler:
         profiler.disable()
     total, wall = cpu_seconds() - start, time.perf_counter() - wall
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     phases = {name: clock.seconds[name] for name in PHASES}
     phases["other"] = total - sum(phases.values())
     samples = args.items * 4
@@ -183,6 +185,8 @@ def main() -> None:
                 "steps": trainer.state.global_step,
                 "cpu_seconds": round(total, 3),
                 "wall_seconds": round(wall, 3),
+                "system_seconds": round(usage.ru_stime - usage_before.ru_stime, 3),
+                "minor_page_faults": usage.ru_minflt - usage_before.ru_minflt,
                 "joint_samples_per_cpu_s": round(samples / total, 3),
                 "phases": {name: round(value, 3) for name, value in phases.items()},
             }

@@ -1,5 +1,6 @@
 """CPU-only speed paths: what they change (the work done) and what they must not (the numbers)."""
 
+import contextlib
 import importlib
 import subprocess
 import sys
@@ -172,3 +173,89 @@ def test_replaced_attribute_comes_back_after_an_error():
         assert module.pick(1, 2) == 2
         raise RuntimeError("generation failed")
     assert module.pick(1, 2) == 1
+
+
+bf16_kernels = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU"
+)
+
+
+@bf16_kernels
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features,in_features", [(576, 576), (1536, 576), (576, 1536), (4096, 64), (17, 33)])
+def test_packed_linear_equals_autocast_linear_bit_for_bit(out_features, in_features, bias):
+    from comlrl_trl.adapters.packed_linear import PackedLinear
+
+    torch.manual_seed(out_features + in_features)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias)
+    packed = PackedLinear(layer, rows=8)
+    for shape in [(1, in_features), (8, 1, in_features), (4, 13, in_features), (3, 300, in_features)]:
+        hidden = torch.randn(*shape)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = layer(hidden)
+        got = packed(hidden)
+        assert got.dtype == expected.dtype == torch.bfloat16
+        assert torch.equal(got, expected), shape
+
+
+@bf16_kernels
+def test_packed_generation_samples_the_same_tokens_with_the_same_scores(qwen_path):
+    from transformers import AutoModelForCausalLM
+
+    from comlrl_trl.adapters.packed_linear import PackedLinear, packed_linear_weights
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_path)
+    prompt = torch.tensor([[5, 9, 14, 3, 7]] * 4)
+    settings = dict(do_sample=True, max_new_tokens=12, min_new_tokens=12, top_k=0, output_logits=True)
+
+    def generate(packed: bool):
+        torch.manual_seed(7)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with packed_linear_weights(model, rows=4) if packed else contextlib.nullcontext():
+                assert isinstance(model.lm_head.forward, PackedLinear) == packed
+                return model.generate(prompt, return_dict_in_generate=True, **settings)
+
+    plain, packed = generate(False), generate(True)
+    assert torch.equal(packed.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(packed.logits, plain.logits))
+    assert all("forward" not in vars(m) for m in model.modules())  # the layers' own forward again
+
+
+def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_error():
+    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    hooked = model[2].forward = lambda x: x  # something else replaced this one: it is left alone
+    with torch.no_grad(), packed_linear_weights(model, rows=2):  # no autocast
+        assert "forward" not in vars(model[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linear_weights(model, rows=2):  # gradients on
+        assert "forward" not in vars(model[0])
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        with pytest.raises(RuntimeError), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with packed_linear_weights(model, rows=2):
+                assert "forward" in vars(model[0]) and model[2].forward is hooked
+                raise RuntimeError("generation failed")
+    assert "forward" not in vars(model[0]) and model[2].forward is hooked
+
+
+@bf16_kernels
+def test_agents_generate_with_packed_weights_in_bf16(qwen_path, make_config, prompts_dataset, monkeypatch):
+    from comlrl_trl.adapters.packed_linear import PackedLinear
+
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=lambda a, b: [0.0] * len(a),
+        args=make_config(bf16=True, use_cpu=True),
+        train_dataset=prompts_dataset,
+    )
+    calls = []
+    call = PackedLinear.__call__
+    monkeypatch.setattr(PackedLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden))
+    for agent in trainer.agent_trainers:
+        calls.clear()
+        rollout = agent.generate(["Write a story about item 1:"] * 4)
+        assert len(rollout.completion_ids) == 4
+        linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
+        assert len(calls) >= 2 * linears  # every layer, at the prompt and at least one decoding step
+        assert not any("forward" in vars(m) for m in agent.model.modules() if type(m) is torch.nn.Linear)
