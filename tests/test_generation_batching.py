@@ -74,3 +74,80 @@ def test_a_set_steps_per_generation_of_one_samples_for_every_update(qwen_path, m
     )
     trainer.train()
     assert calls == [2] * 20  # 10 updates x 2 agents, one item of K=2 each
+
+
+def _scoring_probe(monkeypatch):
+    """Record the rows of every gradient-free log-probability forward, and each generation's micro-batches with
+    reference old log-probabilities computed from scratch for all their rows before the first update."""
+    forwards, generations = [], []
+    forward = AgentGRPOTrainer._get_per_token_logps_and_entropies
+    fill = AgentGRPOTrainer.fill_micro_batches
+
+    def counting(self, model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            forwards.append((self.agent_index, len(input_ids)))
+        return forward(self, model, input_ids, *args, **kwargs)
+
+    def filling(self, batch, advantages):
+        fill(self, batch, advantages)
+        micro_batches = [self.micro_batch(slot) for slot in range(self.args.steps_per_generation)]
+        references = []
+        for m in micro_batches:
+            with torch.no_grad():
+                references.append(
+                    forward(
+                        self,
+                        self.model,
+                        torch.cat([m["prompt_ids"], m["completion_ids"]], dim=1),
+                        torch.cat([m["prompt_mask"], m["completion_mask"]], dim=1),
+                        m["completion_ids"].size(1),
+                        batch_size=len(m["completion_ids"]),
+                    )[0]
+                )
+        generations.append((self.agent_index, micro_batches, references))
+
+    monkeypatch.setattr(AgentGRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    monkeypatch.setattr(AgentGRPOTrainer, "fill_micro_batches", filling)
+    return forwards, generations
+
+
+def test_old_log_probs_are_scored_only_for_the_micro_batches_after_the_first_update(
+    qwen_path, make_config, monkeypatch
+):
+    # Two items, two updates per generation, K=2 (2 rows per micro-batch): TRL would score all 4 rows of a generation
+    # before its first update; the first micro-batch is trained before any update, so only the second's 2 rows are.
+    forwards, generations = _scoring_probe(monkeypatch)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=lambda a, b: [float(len(x)) for x in b],
+        train_dataset=TEN_ITEMS.select(range(2)),
+        args=make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None),
+    )
+    trainer.train()
+    assert forwards == [(0, 2), (1, 2)]
+    assert [agent for agent, _, _ in generations] == [0, 1]
+    for _, (first, second), (_, reference) in generations:
+        assert "old_per_token_logps" not in first  # TRL's loss takes its own forward's, detached: ratio 1
+        mask = second["completion_mask"].bool()
+        assert second["old_per_token_logps"].shape == second["completion_ids"].shape
+        torch.testing.assert_close(second["old_per_token_logps"][mask], reference[mask], atol=1e-6, rtol=0)
+    assert trainer.state.global_step == 2
+
+
+def test_old_log_probs_stay_trls_when_the_first_micro_batch_comes_back_after_an_update(
+    qwen_path, make_config, monkeypatch
+):
+    # num_iterations=2: every micro-batch is trained again after the generation's updates, so TRL scores every row.
+    forwards, generations = _scoring_probe(monkeypatch)
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=lambda a, b: [float(len(x)) for x in b],
+        train_dataset=TEN_ITEMS.select(range(2)),
+        args=make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None, num_iterations=2),
+    )
+    trainer.train()
+    assert forwards == [(0, 4), (1, 4)]
+    for _, micro_batches, references in generations:
+        for m, reference in zip(micro_batches, references):
+            mask = m["completion_mask"].bool()
+            torch.testing.assert_close(m["old_per_token_logps"][mask], reference[mask], atol=1e-6, rtol=0)

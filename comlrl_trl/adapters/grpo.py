@@ -32,7 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from .helpers import attribute_replaced
+from .helpers import attribute_replaced, gradient_checkpointing_disabled
 from .packed_linear import packed_linear_weights
 from .sampling import finite_top_p
 
@@ -170,8 +170,8 @@ class AgentGRPOTrainer(GRPOTrainer):
     def score(self, rows: list[dict[str, Any]], rollout: Rollout, rewards: torch.Tensor) -> dict[str, Any]:
         """TRL's scored batch of `rollout` for the local `rows`, with the gathered `(B_global,)` rewards handed in.
 
-        Old and reference log-probabilities, masks after EOS, TRL's reward metrics and the importance-sampling
-        correction are TRL's. TRL also computes its own group advantages from the rewards; they are dropped here:
+        Reference log-probabilities, masks after EOS, TRL's reward metrics and the importance-sampling correction
+        are TRL's; old log-probabilities too, unless `defers_old_logps` leaves them to `fill_micro_batches`. TRL also computes its own group advantages from the rewards; they are dropped here:
         advantages enter once, in `fill_micro_batches`.
         """
         self._handed_in = (rollout, rewards.unsqueeze(1))
@@ -179,8 +179,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         # On-policy, the trainer's log-probabilities come from the loss's own forward (see `policy_loss`): TRL would
         # otherwise run one more forward over the whole batch here, only for the correction.
         self.vllm_importance_sampling_correction = correction and not self.ratio_from_loss_forward
+        # Old log-probabilities are left to `fill_micro_batches` (see `defers_old_logps`): TRL computes them only
+        # when its steps per generation do not divide its accumulation steps, so it is told they do for this call.
+        defer = self.defers_old_logps(rows)
+        spg = self.args.gradient_accumulation_steps if defer else self.args.steps_per_generation
         try:
-            batch = GRPOTrainer._generate_and_score_completions(self, rows)
+            with attribute_replaced(self.args, "steps_per_generation", spg):
+                batch = GRPOTrainer._generate_and_score_completions(self, rows)
         finally:
             self._handed_in = None
             self.vllm_importance_sampling_correction = correction
@@ -259,7 +264,46 @@ class AgentGRPOTrainer(GRPOTrainer):
         `steps_per_generation` micro-batches, as TRL buffers its own."""
         # First key: TRL's shuffle reads the row count from the first value, which must not be a scalar.
         batch = {"advantages": advantages.to(batch["completion_ids"].device, torch.float32), **batch}
-        self.set_micro_batches(split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation))
+        micro_batches = split_tensor_dict(shuffle_sequence_dict(batch), self.args.steps_per_generation)
+        if self.defers_old_logps() and "old_per_token_logps" not in batch:
+            self._fill_old_logps(micro_batches[1:])
+        self.set_micro_batches(micro_batches)
+
+    def defers_old_logps(self, rows: list[dict[str, Any]] | None = None) -> bool:
+        """Whether the old log-probabilities of a generation are computed after its shuffle, for micro-batches 1 and
+        later only, instead of by TRL's scoring for every row.
+
+        TRL needs them when a generation spans several optimiser updates (`steps_per_generation` updates' rows, one
+        `gradient_accumulation_steps` each). The first micro-batch is trained before any update, so its old
+        log-probabilities are its loss forward's own, which TRL's loss takes when the batch has none: the same ratio
+        (1) for one forward pass less. Not with `num_iterations > 1` (the first micro-batch comes back after updates),
+        vLLM (TRL's importance-sampling correction reads them) or images (their forward inputs stay TRL's).
+        """
+        every = self.args.steps_per_generation * self.num_iterations
+        return (
+            self.args.gradient_accumulation_steps % every != 0
+            and self.num_iterations == 1
+            and not self.use_vllm
+            and not getattr(self, "_is_vlm", False)
+            and not any("image" in row or "images" in row for row in rows or ())
+        )
+
+    def _fill_old_logps(self, micro_batches: list[dict[str, Any]]) -> None:
+        """TRL's scoring forward (no gradients, in `per_device_train_batch_size` chunks) over `micro_batches`, whose
+        old log-probabilities it sets."""
+        rows = {key: torch.cat([m[key] for m in micro_batches]) for key in ("prompt_ids", "prompt_mask")}
+        completions = torch.cat([m["completion_ids"] for m in micro_batches])
+        completion_mask = torch.cat([m["completion_mask"] for m in micro_batches])
+        with torch.no_grad(), gradient_checkpointing_disabled(self.model, self.args.gradient_checkpointing_kwargs):
+            logps = self.per_token_logps(
+                self.model,
+                torch.cat([rows["prompt_ids"], completions], dim=1),
+                torch.cat([rows["prompt_mask"], completion_mask], dim=1),
+                completions.size(1),
+                batch_size=self.args.per_device_train_batch_size,
+            )
+        for micro_batch, old in zip(micro_batches, logps.split([len(m["completion_ids"]) for m in micro_batches])):
+            micro_batch["old_per_token_logps"] = old
 
     def set_micro_batches(self, batches: list[dict[str, Any]]) -> None:
         """Set this generation's micro-batches as they are (one per gradient-accumulation step)."""
