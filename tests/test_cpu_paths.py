@@ -259,3 +259,18 @@ def test_agents_generate_with_packed_weights_in_bf16(qwen_path, make_config, pro
         linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
         assert len(calls) >= 2 * linears  # every layer, at the prompt and at least one decoding step
         assert not any("forward" in vars(m) for m in agent.model.modules() if type(m) is torch.nn.Linear)
+
+
+def test_packing_falls_back_to_the_layers_own_forward_where_onednn_cannot_pack(monkeypatch, caplog):
+    from comlrl_trl.adapters import packed_linear
+
+    def refuse(weight, rows):
+        raise RuntimeError("bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(packed_linear, "packing_applies", lambda model: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with caplog.at_level("WARNING"), torch.no_grad(), packed_linear.packed_linear_weights(model, rows=2):
+        assert "forward" not in vars(model[0])
+        assert model(torch.ones(1, 8)).shape == (1, 8)
+    assert "without packed bf16 weights" in caplog.text

@@ -256,3 +256,27 @@ def test_explosion_guard_and_turn_settings(tmp_path):
         MAGRPOConfig(output_dir=str(tmp_path), num_turns=2, turn_gradient_weights=[1.0, -1.0])
     with pytest.raises(ValueError, match="discount"):
         MAGRPOConfig(output_dir=str(tmp_path), discount=1.5)
+
+
+def test_a_tree_sampled_for_two_updates_scores_old_log_probs_of_the_second_micro_batch(qwen_path, make_config):
+    # The default of two updates per generation over a two-turn tree (both turns' rows joined, then shuffled): the
+    # first micro-batch is trained on-policy without old log-probabilities, the second with them, for every row.
+    trainer, _, _ = _trainer(qwen_path, make_config, num_turns=2, num_generations=2, steps_per_generation=None)
+    assert trainer.args.steps_per_generation == 2
+    seen = []
+    for agent in trainer.agent_trainers:
+        fill = agent.fill_micro_batches
+
+        def filling(batch, advantages, agent=agent, fill=fill):
+            fill(batch, advantages)
+            first, second = agent.micro_batch(0), agent.micro_batch(1)
+            seen.append(("old_per_token_logps" in first, second["old_per_token_logps"].shape))
+            assert second["old_per_token_logps"].shape == second["completion_ids"].shape
+            assert torch.isfinite(second["old_per_token_logps"]).all()
+
+        agent.fill_micro_batches = filling
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert len(seen) == 2 and not any(has_old for has_old, _ in seen)  # one generation (2 items), two agents
+    for i, model in enumerate(trainer.agents):
+        assert changed(before[i], model), f"agent {i} did not change"

@@ -138,7 +138,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same outputs,
-        12% less time), and top-p filtering sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the
+        on one thread to the bit; 12% less time), and top-p filtering sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the
         same tokens as transformers (on a GPU the full sort is cheap, and the filter's checks would wait for the
         device at every token).
         """
@@ -171,8 +171,9 @@ class AgentGRPOTrainer(GRPOTrainer):
         """TRL's scored batch of `rollout` for the local `rows`, with the gathered `(B_global,)` rewards handed in.
 
         Reference log-probabilities, masks after EOS, TRL's reward metrics and the importance-sampling correction
-        are TRL's; old log-probabilities too, unless `defers_old_logps` leaves them to `fill_micro_batches`. TRL also computes its own group advantages from the rewards; they are dropped here:
-        advantages enter once, in `fill_micro_batches`.
+        are TRL's; old log-probabilities too, unless `defers_old_logps` leaves them to `fill_micro_batches`. TRL
+        also computes its own group advantages from the rewards; they are dropped here: advantages enter once, in
+        `fill_micro_batches`.
         """
         self._handed_in = (rollout, rewards.unsqueeze(1))
         correction = self.vllm_importance_sampling_correction
