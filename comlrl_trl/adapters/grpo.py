@@ -137,10 +137,10 @@ class AgentGRPOTrainer(GRPOTrainer):
 
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
-        the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same outputs,
-        on one thread to the bit; 12% less time), and top-p filtering sorts only the tokens top-k kept (`adapters/sampling.py`), keeping the
-        same tokens as transformers (on a GPU the full sort is cheap, and the filter's checks would wait for the
-        device at every token).
+        the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
+        outputs, on one thread to the bit; 12% less time), and top-p filtering sorts only the tokens top-k kept
+        (`adapters/sampling.py`), keeping the same tokens as transformers (on a GPU the full sort is cheap, and the
+        filter's checks would wait for the device at every token).
         """
         with (
             self.accelerator.autocast(),

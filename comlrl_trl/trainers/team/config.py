@@ -26,8 +26,8 @@ _DEFAULT_ITEMS_PER_STEP = 1
 # unset (fewer where the training set is small). Decoding is bound by per-token overhead, not by the rows: 8 rows
 # cost about what 4 do, so generation, two thirds of a one-item update on a CPU, is shared by these updates. The
 # second update of a generation trains on samples of slightly older weights, which TRL's clipped importance ratio
-# (old log-probabilities from one scoring forward over the second update's rows) corrects. Five updates per generation were faster still but
-# learned less per epoch (docs/benchmarks.md, "Learning").
+# (old log-probabilities from one scoring forward over the second update's rows) corrects. Five updates per
+# generation were faster still but learned less per epoch (docs/benchmarks.md, "Learning").
 _DEFAULT_MAX_STEPS_PER_GENERATION = 2
 
 
