@@ -76,9 +76,10 @@ def test_a_set_steps_per_generation_of_one_samples_for_every_update(qwen_path, m
     assert calls == [2] * 20  # 10 updates x 2 agents, one item of K=2 each
 
 
-def _scoring_probe(monkeypatch):
-    """Record the rows of every gradient-free log-probability forward, and each generation's micro-batches with
-    reference old log-probabilities computed from scratch for all their rows before the first update."""
+def _train_two_items_with_a_scoring_probe(qwen_path, make_config, monkeypatch, **config):
+    """Train on two items at two updates per generation (K=2) and return the trainer, the rows of every
+    gradient-free log-probability forward, and each generation's micro-batches with reference old
+    log-probabilities computed from scratch for all their rows before the first update."""
     forwards, generations = [], []
     forward = AgentGRPOTrainer._get_per_token_logps_and_entropies
     fill = AgentGRPOTrainer.fill_micro_batches
@@ -108,7 +109,14 @@ def _scoring_probe(monkeypatch):
 
     monkeypatch.setattr(AgentGRPOTrainer, "_get_per_token_logps_and_entropies", counting)
     monkeypatch.setattr(AgentGRPOTrainer, "fill_micro_batches", filling)
-    return forwards, generations
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=lambda a, b: [float(len(x)) for x in b],
+        train_dataset=TEN_ITEMS.select(range(2)),
+        args=make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None, **config),
+    )
+    trainer.train()
+    return trainer, forwards, generations
 
 
 def test_old_log_probs_are_scored_only_for_the_micro_batches_after_the_first_update(
@@ -116,14 +124,7 @@ def test_old_log_probs_are_scored_only_for_the_micro_batches_after_the_first_upd
 ):
     # Two items, two updates per generation, K=2 (2 rows per micro-batch): TRL would score all 4 rows of a generation
     # before its first update; the first micro-batch is trained before any update, so only the second's 2 rows are.
-    forwards, generations = _scoring_probe(monkeypatch)
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        reward_func=lambda a, b: [float(len(x)) for x in b],
-        train_dataset=TEN_ITEMS.select(range(2)),
-        args=make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None),
-    )
-    trainer.train()
+    trainer, forwards, generations = _train_two_items_with_a_scoring_probe(qwen_path, make_config, monkeypatch)
     assert forwards == [(0, 2), (1, 2)]
     assert [agent for agent, _, _ in generations] == [0, 1]
     for _, (first, second), (_, reference) in generations:
@@ -138,14 +139,9 @@ def test_old_log_probs_stay_trls_when_the_first_micro_batch_comes_back_after_an_
     qwen_path, make_config, monkeypatch
 ):
     # num_iterations=2: every micro-batch is trained again after the generation's updates, so TRL scores every row.
-    forwards, generations = _scoring_probe(monkeypatch)
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        reward_func=lambda a, b: [float(len(x)) for x in b],
-        train_dataset=TEN_ITEMS.select(range(2)),
-        args=make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None, num_iterations=2),
+    _, forwards, generations = _train_two_items_with_a_scoring_probe(
+        qwen_path, make_config, monkeypatch, num_iterations=2
     )
-    trainer.train()
     assert forwards == [(0, 4), (1, 4)]
     for _, micro_batches, references in generations:
         for m, reference in zip(micro_batches, references):

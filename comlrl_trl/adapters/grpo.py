@@ -292,14 +292,13 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _fill_old_logps(self, micro_batches: list[dict[str, Any]]) -> None:
         """TRL's scoring forward (no gradients, in `per_device_train_batch_size` chunks) over `micro_batches`, whose
         old log-probabilities it sets."""
-        rows = {key: torch.cat([m[key] for m in micro_batches]) for key in ("prompt_ids", "prompt_mask")}
-        completions = torch.cat([m["completion_ids"] for m in micro_batches])
-        completion_mask = torch.cat([m["completion_mask"] for m in micro_batches])
+        keys = ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")
+        prompts, completions, prompt_mask, completion_mask = (torch.cat([m[k] for m in micro_batches]) for k in keys)
         with torch.no_grad(), gradient_checkpointing_disabled(self.model, self.args.gradient_checkpointing_kwargs):
             logps = self.per_token_logps(
                 self.model,
-                torch.cat([rows["prompt_ids"], completions], dim=1),
-                torch.cat([rows["prompt_mask"], completion_mask], dim=1),
+                torch.cat([prompts, completions], dim=1),
+                torch.cat([prompt_mask, completion_mask], dim=1),
                 completions.size(1),
                 batch_size=self.args.per_device_train_batch_size,
             )

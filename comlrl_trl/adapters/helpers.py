@@ -50,8 +50,8 @@ def call_save_model(save_model: Callable[..., None], output_dir: str, internal_c
 
 @contextmanager
 def attribute_replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """A block in which `owner.name` (a module's function or class that TRL or transformers looks up at call time)
-    is `value`; the original is back after the block, also when it raises."""
+    """A block in which `owner.name` (a function or class that TRL or transformers looks up at call time, or a
+    setting TRL reads) is `value`; the original is back after the block, also when it raises."""
     original = getattr(owner, name)
     setattr(owner, name, value)
     try:
