@@ -33,6 +33,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from .helpers import attribute_replaced, gradient_checkpointing_disabled
+from .multinomial import multinomial_drawing_candidates_only
 from .packed_linear import packed_linear_weights
 from .sampling import finite_top_p
 
@@ -138,9 +139,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
-        outputs, on one thread to the bit; 12% less time), and top-p filtering sorts only the tokens top-k kept
-        (`adapters/sampling.py`), keeping the same tokens as transformers (on a GPU the full sort is cheap, and the
-        filter's checks would wait for the device at every token).
+        outputs, on one thread to the bit; 12% less time), top-p filtering sorts only the tokens top-k kept
+        (`adapters/sampling.py`) and sampling draws only for the tokens top-k kept (`adapters/multinomial.py`),
+        keeping the same tokens and random state as transformers and torch (on a GPU the full sort and draw are
+        cheap, and the checks would wait for the device at every token).
         """
         with (
             self.accelerator.autocast(),
@@ -148,6 +150,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
             nullcontext() if self.use_vllm else packed_linear_weights(self.model, rows=len(prompts)),
             finite_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
+            multinomial_drawing_candidates_only() if self.accelerator.device.type == "cpu" else nullcontext(),
         ):
             return Rollout(*super()._generate(prompts))
 

@@ -1,0 +1,209 @@
+"""Sampling that draws only for the tokens that can be sampled: torch's tokens and random state, bit for bit."""
+
+import logging
+
+import pytest
+import torch
+
+from comlrl_trl.adapters import multinomial
+from comlrl_trl.adapters.multinomial import multinomial_drawing_candidates_only, sparse_multinomial
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+
+def _top_k_probs(rows: int, vocabulary: int, k: int, seed: int) -> torch.Tensor:
+    """Softmax of random logits after top-k: k nonzero entries per row, the rest exactly 0."""
+    logits = torch.randn(rows, vocabulary, generator=torch.Generator().manual_seed(seed)) * 3
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter(1, logits.topk(k, dim=-1).indices, True)
+    return torch.softmax(logits.masked_fill(~kept, -torch.inf), -1)
+
+
+def _torch_then_ours(probs: torch.Tensor, ours=None):
+    """torch's sample and generator state, then ours (`race` itself unless told) from the same starting state."""
+    start = torch.get_rng_state()
+    expected = torch.multinomial(probs, 1)
+    expected_state = torch.get_rng_state()
+    torch.set_rng_state(start)
+    sample = ours(probs) if ours else multinomial.race(probs, probs.reshape(-1).nonzero().squeeze(1))
+    return expected, expected_state, sample, torch.get_rng_state()
+
+
+@pytest.mark.parametrize(
+    "rows,vocabulary,k",
+    [(1, 49152, 50), (8, 49152, 50), (8, 49152, 1), (3, 1000, 200), (33, 151936, 20), (5, 7, 3), (2, 300, 300)],
+)
+def test_samples_and_random_state_equal_torchs(rows, vocabulary, k):
+    torch.manual_seed(rows * 1000 + k)  # a freshly seeded generator: its words are regenerated at the first draw
+    for step in range(4):  # and from wherever the previous draws left it
+        probs = _top_k_probs(rows, vocabulary, k, seed=step)
+        expected, expected_state, ours, state = _torch_then_ours(probs)
+        assert torch.equal(ours, expected)
+        assert torch.equal(state, expected_state)
+
+
+def test_the_next_draws_after_sampling_are_torchs():
+    probs = _top_k_probs(8, 49152, 50, seed=0)
+    torch.manual_seed(3)
+    torch.multinomial(probs, 1)
+    expected = torch.rand(5)
+    torch.manual_seed(3)
+    assert sparse_multinomial(probs, 1).shape == (8, 1)
+    assert torch.equal(torch.rand(5), expected)
+
+
+def test_sampling_races_few_candidates_itself(monkeypatch):
+    raced = []
+    race = multinomial.race
+    monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
+    probs = _top_k_probs(8, 49152, 50, seed=0)
+    expected, expected_state, ours, state = _torch_then_ours(probs, lambda p: sparse_multinomial(p, 1))
+    assert raced == [1] and torch.equal(ours, expected) and torch.equal(state, expected_state)
+
+
+def test_ties_and_rows_with_different_numbers_of_candidates_are_torchs():
+    probs = torch.zeros(4, 500)
+    probs[0, [3, 7, 11, 400]] = 0.25  # four equal probabilities
+    probs[1, 499] = 1.0  # one candidate, at the end of the row
+    probs[2, :40] = torch.linspace(1, 2, 40)  # unnormalised weights are fine for torch too
+    probs[3, ::50] = 1e-30  # tiny ones
+    torch.manual_seed(11)
+    for _ in range(20):
+        expected, expected_state, ours, state = _torch_then_ours(probs)
+        assert torch.equal(ours, expected) and torch.equal(state, expected_state)
+        assert ours[1].item() == 499
+
+
+def test_dense_rows_and_other_calls_are_left_to_torch(monkeypatch):
+    raced = []
+    race = multinomial.race
+    monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
+    dense = torch.rand(4, 3000)  # every entry a candidate: every variate is needed anyway
+    expected, expected_state, ours, state = _torch_then_ours(dense, lambda p: sparse_multinomial(p, 1))
+    assert torch.equal(ours, expected) and torch.equal(state, expected_state)
+    sparse = _top_k_probs(4, 3000, 10, seed=1)
+    for call in (
+        lambda: sparse_multinomial(sparse, 2),  # two samples
+        lambda: sparse_multinomial(sparse, 1, generator=torch.Generator().manual_seed(0)),  # not the default one
+        lambda: sparse_multinomial(sparse.double(), 1),
+        lambda: sparse_multinomial(sparse[0], 1),  # one row as a vector
+    ):
+        call()
+    assert raced == []
+    generator = torch.Generator().manual_seed(5)
+    assert torch.equal(
+        sparse_multinomial(sparse, 1, generator=generator),
+        torch.multinomial(sparse, 1, generator=torch.Generator().manual_seed(5)),
+    )
+    sparse_multinomial(sparse, 1)
+    assert raced == [1]
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ([0.0, -0.5, 1.0], "probability tensor contains either `inf`, `nan` or element < 0"),
+        ([0.0, float("nan"), 1.0], "probability tensor contains either `inf`, `nan` or element < 0"),
+        ([0.0, float("inf"), 1.0], "probability tensor contains either `inf`, `nan` or element < 0"),
+        ([0.0, 0.0, 0.0], "invalid multinomial distribution"),
+    ],
+)
+def test_invalid_probabilities_raise_torchs_error(row, message):
+    probs = torch.zeros(2, 2000)
+    probs[0, :5] = 0.2
+    probs[1, :3] = torch.tensor(row)
+    with pytest.raises(RuntimeError, match=message.replace("`", ".")):
+        sparse_multinomial(probs, 1)
+
+
+def test_a_zero_probability_entry_whose_variate_is_zero_wins_as_in_torch(monkeypatch):
+    """torch's race scores such an entry 0/0 = NaN and its argmax takes the NaN (odds 2**-53 per entry, so the words
+    are forced here): entry 2, whose two words are 0, beats entry 0, the only candidate."""
+
+    class ForcedWords:
+        """torch's generator, except that entry 2 draws two zero words."""
+
+        def __init__(self, generator):
+            self.generator = generator
+
+        def random_raw(self, size):
+            words = self.generator.random_raw(size)
+            words[4:6] = 0  # entry 2: high and low word
+            return words
+
+        @property
+        def state(self):
+            return self.generator.state
+
+    real = multinomial._generator_from
+
+    def forced(state):
+        return ForcedWords(real(state))
+
+    monkeypatch.setattr(multinomial, "_generator_from", forced)
+    probs = torch.zeros(1, 10)
+    probs[0, 0] = 1.0
+    assert multinomial.race(probs, torch.tensor([0])).item() == 2
+
+
+def test_a_torch_that_draws_otherwise_keeps_its_own_sampling_with_a_warning(monkeypatch, caplog):
+    multinomial._agrees_with_torch.cache_clear()
+    monkeypatch.setattr(multinomial, "race", lambda probs, candidates: candidates[:1].expand(probs.shape[0], 1))
+    probs = _top_k_probs(8, 5000, 50, seed=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="comlrl_trl.adapters.multinomial"):
+            expected, expected_state, ours, after = _torch_then_ours(probs, lambda p: sparse_multinomial(p, 1))
+        assert torch.equal(ours, expected) and torch.equal(after, expected_state)
+        assert "this torch build draws otherwise" in caplog.text
+    finally:
+        multinomial._agrees_with_torch.cache_clear()
+
+
+def test_the_check_against_torch_leaves_the_generator_where_it_was():
+    multinomial._agrees_with_torch.cache_clear()
+    state = torch.get_rng_state()
+    assert multinomial._agrees_with_torch()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_torch_multinomial_is_back_after_the_block_and_after_an_error():
+    original = torch.multinomial
+    with pytest.raises(ValueError), multinomial_drawing_candidates_only():
+        assert torch.multinomial is sparse_multinomial
+        raise ValueError("generation failed")
+    assert torch.multinomial is original
+
+
+def test_generation_samples_the_same_tokens_with_and_without_it(qwen_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_path)
+    prompt = torch.tensor([[5, 9, 14, 3, 7]] * 6)
+    settings = dict(do_sample=True, max_new_tokens=16, min_new_tokens=16, top_k=50, top_p=0.6, temperature=0.6)
+
+    def generate(sparse: bool):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            if sparse:
+                with multinomial_drawing_candidates_only():
+                    return model.generate(prompt, **settings), torch.get_rng_state()
+            return model.generate(prompt, **settings), torch.get_rng_state()
+
+    (plain, plain_state), (ours, our_state) = generate(False), generate(True)
+    assert torch.equal(ours, plain) and torch.equal(our_state, plain_state)
+
+
+def test_agents_sample_through_it_on_a_cpu(qwen_path, make_config, prompts_dataset, monkeypatch):
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=lambda a, b: [0.0] * len(a),
+        args=make_config(use_cpu=True),
+        train_dataset=prompts_dataset,
+    )
+    raced = []
+    race = multinomial.race
+    monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
+    for agent in trainer.agent_trainers:
+        raced.clear()
+        agent.generate(["Write a story about item 1:"] * 4)
+        assert raced  # top-k 50 (the default) leaves few candidates: every decoding step races them
+    assert torch.multinomial is multinomial._TORCH_MULTINOMIAL
