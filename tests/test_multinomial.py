@@ -79,8 +79,9 @@ def test_dense_rows_and_other_calls_are_left_to_torch(monkeypatch):
     dense = torch.rand(4, 3000)  # every entry a candidate: every variate is needed anyway
     expected, expected_state, ours, state = _torch_then_ours(dense, lambda p: sparse_multinomial(p, 1))
     assert torch.equal(ours, expected) and torch.equal(state, expected_state)
-    sparse = _top_k_probs(4, 3000, 10, seed=1)
+    sparse = _top_k_probs(4, 30000, 10, seed=1)
     for call in (
+        lambda: sparse_multinomial(_top_k_probs(8, 2000, 10, seed=1), 1),  # a small vocabulary
         lambda: sparse_multinomial(sparse, 2),  # two samples
         lambda: sparse_multinomial(sparse, 1, generator=torch.Generator().manual_seed(0)),  # not the default one
         lambda: sparse_multinomial(sparse.double(), 1),
@@ -107,7 +108,7 @@ def test_dense_rows_and_other_calls_are_left_to_torch(monkeypatch):
     ],
 )
 def test_invalid_probabilities_raise_torchs_error(row, message):
-    probs = torch.zeros(2, 2000)
+    probs = torch.zeros(2, 40000)
     probs[0, :5] = 0.2
     probs[1, :3] = torch.tensor(row)
     with pytest.raises(RuntimeError, match=message.replace("`", ".")):
@@ -147,7 +148,7 @@ def test_a_zero_probability_entry_whose_variate_is_zero_wins_as_in_torch(monkeyp
 def test_a_torch_that_draws_otherwise_keeps_its_own_sampling_with_a_warning(monkeypatch, caplog):
     multinomial._agrees_with_torch.cache_clear()
     monkeypatch.setattr(multinomial, "race", lambda probs, candidates: candidates[:1].expand(probs.shape[0], 1))
-    probs = _top_k_probs(8, 5000, 50, seed=2)
+    probs = _top_k_probs(8, 10000, 50, seed=2)
     try:
         with caplog.at_level(logging.WARNING, logger="comlrl_trl.adapters.multinomial"):
             expected, expected_state, ours, after = _torch_then_ours(probs, lambda p: sparse_multinomial(p, 1))
@@ -202,6 +203,7 @@ def test_agents_sample_through_it_on_a_cpu(qwen_path, make_config, prompts_datas
     raced = []
     race = multinomial.race
     monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
+    monkeypatch.setattr(multinomial, "_MIN_ENTRIES", 0)  # the test models' vocabulary is small
     for agent in trainer.agent_trainers:
         raced.clear()
         agent.generate(["Write a story about item 1:"] * 4)
