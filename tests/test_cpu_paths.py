@@ -116,7 +116,7 @@ def test_finite_top_p_keeps_a_hand_worked_nucleus():
 
     # probabilities 0.5, 0.3, 0.2 among three tokens left by top-k; ascending cumulative 0.2, 0.5, 1.0: with
     # top_p=0.6 only the 0.2 token lies within 1 - 0.6 = 0.4 and is dropped.
-    scores = torch.full((1, 6), float("-inf"))
+    scores = torch.full((1, 3000), float("-inf"))  # a vocabulary where the filter sorts (from 2048 tokens)
     scores[0, [4, 1, 2]] = torch.tensor([0.5, 0.3, 0.2]).log()
     out = FiniteTopPLogitsWarper(top_p=0.6)(None, scores)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 4]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comlrl_trl.adapters import multinomial
-from comlrl_trl.adapters.multinomial import multinomial_drawing_candidates_only, sparse_multinomial
+from comlrl_trl.adapters.multinomial import sparse_multinomial, sparse_sampling
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
@@ -167,7 +167,7 @@ def test_the_check_against_torch_leaves_the_generator_where_it_was():
 
 def test_torch_multinomial_is_back_after_the_block_and_after_an_error():
     original = torch.multinomial
-    with pytest.raises(ValueError), multinomial_drawing_candidates_only():
+    with pytest.raises(ValueError), sparse_sampling():
         assert torch.multinomial is sparse_multinomial
         raise ValueError("generation failed")
     assert torch.multinomial is original
@@ -184,7 +184,7 @@ def test_generation_samples_the_same_tokens_with_and_without_it(qwen_path):
         torch.manual_seed(7)
         with torch.no_grad():
             if sparse:
-                with multinomial_drawing_candidates_only():
+                with sparse_sampling():
                     return model.generate(prompt, **settings), torch.get_rng_state()
             return model.generate(prompt, **settings), torch.get_rng_state()
 

@@ -33,7 +33,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from .helpers import attribute_replaced, gradient_checkpointing_disabled
-from .multinomial import multinomial_drawing_candidates_only
+from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
 from .sampling import finite_top_p
 
@@ -150,7 +150,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
             nullcontext() if self.use_vllm else packed_linear_weights(self.model, rows=len(prompts)),
             finite_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
-            multinomial_drawing_candidates_only() if self.accelerator.device.type == "cpu" else nullcontext(),
+            nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else sparse_sampling(),
         ):
             return Rollout(*super()._generate(prompts))
 

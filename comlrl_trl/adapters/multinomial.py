@@ -155,6 +155,6 @@ def sparse_multinomial(probs, num_samples, replacement=False, *, generator=None,
     return _TORCH_MULTINOMIAL(probs, num_samples, replacement, generator=generator, out=out)
 
 
-def multinomial_drawing_candidates_only():
+def sparse_sampling():
     """A block in which `torch.multinomial` (what transformers' sampling calls) is `sparse_multinomial`."""
     return attribute_replaced(torch, "multinomial", sparse_multinomial)
