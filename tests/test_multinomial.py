@@ -86,6 +86,7 @@ def test_dense_rows_and_other_calls_are_left_to_torch(monkeypatch):
         lambda: sparse_multinomial(sparse, 1, generator=torch.Generator().manual_seed(0)),  # not the default one
         lambda: sparse_multinomial(sparse.double(), 1),
         lambda: sparse_multinomial(sparse[0], 1),  # one row as a vector
+        lambda: sparse_multinomial(sparse.t().contiguous().t(), 1),  # columns first in memory
     ):
         call()
     assert raced == []

@@ -105,6 +105,7 @@ def _candidates(probs, num_samples, generator, out) -> torch.Tensor | None:
         and probs.device.type == "cpu"
         and probs.dtype == torch.float32
         and probs.dim() == 2
+        and probs.is_contiguous()  # the layout checked against torch (transformers passes it)
         and probs.numel() >= _MIN_ENTRIES
         and not probs.requires_grad
     ):
