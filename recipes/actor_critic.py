@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-from common import DEMO_DEFAULTS, HelpFormatter, default_model, team_formatters, train_and_report
+from common import (
+    DEMO_DEFAULTS,
+    HelpFormatter,
+    close_process_group,
+    default_model,
+    team_formatters,
+    train_and_report,
+)
 from trl import ModelConfig, get_peft_config
 from user_data import TASKS, DataArguments, load_task
 
@@ -113,3 +120,4 @@ def _tokenizers(agents: list[str]):
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     main(*make_parser(selected_algorithm(sys.argv[1:])).parse_args_and_config())
+    close_process_group()

@@ -106,6 +106,17 @@ def recipe_settings(recipe) -> dict[str, Any]:
     return settings
 
 
+def close_process_group() -> None:
+    """Tear down the process group of a multi-process run before Python exits (a no-op in one process).
+
+    Left to interpreter shutdown, Gloo's worker threads can still hold the tensors of a finished collective while
+    Python is torn down, and the process aborts ("terminate called without an active exception", SIGABRT), failing
+    a run that had finished. Seen once in a two-rank test under load.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def train_and_report(trainer, recipe, config, final_evaluation: Callable[[], dict]) -> dict:
     """Train (resuming when asked), evaluate, save the agents to output_dir/models (with team_settings.json: the
     sampling settings and the recipe's [`RECIPE_SETTINGS`]) and write the report.

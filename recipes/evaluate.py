@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import yaml
-from common import HelpFormatter, default_model, model_init_kwargs, team_formatters
+from common import HelpFormatter, close_process_group, default_model, model_init_kwargs, team_formatters
 from trl import ModelConfig
 from user_data import TASKS, DataArguments, load_task
 
@@ -374,3 +374,4 @@ if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     parser = make_parser()
     main(*parser.parse_args_and_config(), settings=parser.run_settings)
+    close_process_group()

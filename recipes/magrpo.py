@@ -24,7 +24,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common import DEMO_DEFAULTS, HelpFormatter, default_model, model_init_kwargs, team_formatters, train_and_report
+from common import (
+    DEMO_DEFAULTS,
+    HelpFormatter,
+    close_process_group,
+    default_model,
+    model_init_kwargs,
+    team_formatters,
+    train_and_report,
+)
 from trl import ModelConfig, get_peft_config
 from user_data import TASKS, DataArguments, load_task
 
@@ -95,3 +103,4 @@ def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig)
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     main(*make_parser().parse_args_and_config())
+    close_process_group()

@@ -26,6 +26,7 @@ def main(output_dir: str) -> None:
     dist.all_gather_object(gathered, [files, parameters])
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"ranks": gathered}))
+    dist.destroy_process_group()  # before Python's shutdown, which can abort with Gloo's threads still busy
 
 
 if __name__ == "__main__":
