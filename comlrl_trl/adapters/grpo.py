@@ -32,6 +32,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from ..hardware import cpu_attention_for_gradients
+from .cpu_logprob import CpuChunkedLogProb
 from .helpers import attribute_replaced, gradient_checkpointing_disabled
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
@@ -354,7 +356,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._ratio_for = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        with _head_scores_completions_only():
+        with _cpu_head(), cpu_attention_for_gradients(input_ids):
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
@@ -486,6 +488,14 @@ def _head_scores_completions_only():
     """
     use_triton = _TRL_UTILS._use_triton
     return attribute_replaced(_TRL_UTILS, "_use_triton", lambda device: device.type == "cpu" or use_triton(device))
+
+
+@contextmanager
+def _cpu_head():
+    """TRL's fused log-probability head as this package runs it on a CPU: completion positions only
+    (`_head_scores_completions_only`) and the in-place backward of `adapters/cpu_logprob.py` (TRL's values)."""
+    with _head_scores_completions_only(), attribute_replaced(_TRL_UTILS, "_ChunkedLogProbFunction", CpuChunkedLogProb):
+        yield
 
 
 @contextmanager

@@ -1,0 +1,114 @@
+"""TRL's chunked log-probability head (`trl.kernels.chunked_logprob.ChunkedLogProbFunction`) with a leaner CPU backward.
+
+TRL's head projects the hidden states onto the vocabulary in tiles and, in its backward, turns each recomputed tile
+into the logits' gradient and accumulates the two gradient products in fp32. On devices without Triton it folds the
+tiles with torch operations that each allocate a new `[tokens, chunk]` fp32 tensor (a dozen per tile), zero-fills the
+fp32 gradient of the whole vocabulary matrix (113 MB for SmolLM2) before adding the first product into it, and casts
+the bf16 tile to fp32 twice (once per product). At the few hundred completion tokens of a CPU update that is about
+as much time as the products themselves.
+
+`CpuChunkedLogProb` keeps TRL's forward and its arithmetic: the same bf16 tile product, the same fp32 operations on
+it in the same order (`z = tile * inv_t`, `p = exp(z - log_z)`, `g * (1[target] - p)`, `* inv_t`), the same bf16
+rounding of the gradient tile and the same fp32 products with the same operands. The values are TRL's bit for bit
+(`tests/test_cpu_logprob.py`), up to the sign of exact zeros (TRL adds its products to +0). The work differs: one
+fp32 buffer per tile updated in place, the target entries written once, the vocabulary gradient written by its
+products instead of zeroed and added to, and the bf16 weight chunks cast once per call instead of in the forward and
+again in the backward.
+
+Applies on a CPU without a bias, logit soft-capping or a gradient for the entropy; the rest is TRL's own backward.
+"""
+
+import torch
+from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE, ChunkedLogProbFunction
+
+
+class CpuChunkedLogProb(ChunkedLogProbFunction):
+    """`ChunkedLogProbFunction` whose CPU backward is in place (see the module docstring)."""
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *_):  # type: ignore[override]
+        hidden, weight, bias, *_ = ctx.saved_tensors
+        args = ctx.kernel_args
+        if hidden.device.type != "cpu" or bias is not None or args["HAS_SOFTCAP"] or grad_entropy is not None:
+            return ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy)
+        grad_hidden, grad_weight = _backward(ctx, grad_logprobs)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _backward(ctx, grad_logprobs: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    hidden, weight, _, targets, log_z, _ = ctx.saved_tensors
+    needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+    compute_dtype, chunk_size = ctx.compute_dtype, ctx.chunk_size
+    scale, inv_t = ctx.kernel_args["logit_scale"], ctx.kernel_args["inv_t"]
+    N, vocab = hidden.shape[0], weight.shape[0]
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32) if needs_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=torch.float32) if needs_weight else None
+    if grad_logprobs is None:  # no gradient reaches the head: TRL's zero gradients
+        return (
+            None if grad_hidden is None else grad_hidden.zero_().to(hidden.dtype),
+            None if grad_weight is None else grad_weight.zero_().to(weight.dtype),
+        )
+    grad_logprobs = grad_logprobs.float()
+    chunks = [(start, min(start + chunk_size, vocab)) for start in range(0, vocab, chunk_size)]
+    w_chunks = [weight[start:end].to(compute_dtype) for start, end in chunks]
+    w_chunks_fp32 = [w.float() for w in w_chunks] if needs_hidden else None
+    tile_buf = torch.empty((min(N, TOKEN_CHUNK_SIZE), chunk_size), dtype=compute_dtype)
+    grad_buf = torch.empty((min(N, TOKEN_CHUNK_SIZE), chunk_size), dtype=torch.float32)
+    for token_start in range(0, N, TOKEN_CHUNK_SIZE):
+        token_end = min(token_start + TOKEN_CHUNK_SIZE, N)
+        n = token_end - token_start
+        hidden_chunk = hidden[token_start:token_end].to(compute_dtype)
+        hidden_fp32 = hidden_chunk.float() if needs_weight else None
+        rows = slice(token_start, token_end)
+        for i, (start, end) in enumerate(chunks):
+            tile, grad = tile_buf[:n, : end - start], grad_buf[:n, : end - start]
+            torch.mm(hidden_chunk, w_chunks[i].t(), out=tile)
+            _logits_grad_(tile, grad, targets[rows], log_z[rows], grad_logprobs[rows], start, scale, inv_t)
+            grad.copy_(tile)  # the bf16 gradient tile, as TRL's products read it
+            first_token_chunk = token_start == 0
+            if grad_hidden is not None:
+                if i == 0:
+                    torch.mm(grad, w_chunks_fp32[i], out=grad_hidden[rows])
+                else:
+                    grad_hidden[rows].addmm_(grad, w_chunks_fp32[i])
+            if grad_weight is not None:
+                if first_token_chunk:
+                    torch.mm(grad.t(), hidden_fp32, out=grad_weight[start:end])
+                else:
+                    grad_weight[start:end].addmm_(grad.t(), hidden_fp32)
+    return (
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+    )
+
+
+def _logits_grad_(
+    tile: torch.Tensor,
+    grad: torch.Tensor,
+    targets: torch.Tensor,
+    log_z: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    vocab_start: int,
+    scale: float,
+    inv_t: float,
+) -> None:
+    """Overwrite the bf16 logits `tile` with the gradient of `sum(grad_logprobs * log p[target])` with respect to it,
+    using `grad` (fp32, the tile's shape) as the work space: TRL's `_backward_tile` without soft-capping or entropy,
+    the same operations in the same order on the same values."""
+    grad.copy_(tile)
+    if scale != 1.0:
+        grad.mul_(scale)
+    if inv_t != 1.0:
+        grad.mul_(inv_t)
+    p = grad.sub_(log_z.unsqueeze(-1)).exp_()  # p_j
+    local = targets - vocab_start
+    rows = ((local >= 0) & (local < tile.shape[1])).nonzero().squeeze(-1)
+    columns = local[rows]
+    target_grad = grad_logprobs[rows] * (1.0 - p[rows, columns])  # g * (1 - p_target)
+    p.mul_(grad_logprobs.neg().unsqueeze(-1))  # g * (0 - p_j) = -(g * p_j) = (-g) * p_j, exactly
+    p.index_put_((rows, columns), target_grad)
+    if inv_t != 1.0:
+        p.mul_(inv_t)
+    if scale != 1.0:
+        p.mul_(scale)
+    tile.copy_(p)

@@ -1,0 +1,162 @@
+"""The CPU backward of the log-probability head (`comlrl_trl/adapters/cpu_logprob.py`) gives TRL's numbers exactly."""
+
+import importlib
+
+import pytest
+import torch
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+from comlrl_trl.adapters import cpu_logprob
+from comlrl_trl.adapters.cpu_logprob import CpuChunkedLogProb
+from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+
+def _head(
+    function,
+    hidden,
+    weight,
+    targets,
+    grad_logprobs,
+    *,
+    temperature=0.6,
+    chunk_size=96,
+    scale=1.0,
+    bias=None,
+    outputs=("entropy",),
+    grad_entropy=None,
+    dtype=torch.bfloat16,
+):
+    """Values and gradients of one head call under `dtype` autocast (bf16: how TRL's loss runs it on a bf16 CPU;
+    fp32: the logits' gradient keeps every bit, where bf16 would round small differences away)."""
+    hidden = hidden.detach().clone().requires_grad_(hidden.requires_grad)
+    weight = weight.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        logps, entropy, *_ = function.apply(
+            hidden, weight, bias, targets, temperature, chunk_size, None, scale, outputs
+        )
+    loss = (logps * grad_logprobs).sum()
+    if grad_entropy is not None:
+        loss = loss + (entropy * grad_entropy).sum()
+    loss.backward()
+    return logps.detach(), hidden.grad, weight.grad
+
+
+def _inputs(tokens, hidden_size=24, vocab=250, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=generator) * 0.3
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    # targets on both sides of every vocabulary chunk's edge (chunks of 96: 0-95, 96-191, 192-249)
+    targets[:6] = torch.tensor([0, 95, 96, 191, 192, 249])
+    grad_logprobs = torch.randn(tokens, generator=generator)
+    grad_logprobs[6] = 0.0  # a token without weight in the loss (clipped, or padding in TRL's full layout)
+    return hidden, weight, targets, grad_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "temperature, scale", [(0.6, 1.0), (1.0, 1.0), (0.7, 0.5)], ids=["T=0.6", "T=1", "T=0.7,logit_scale=0.5"]
+)
+def test_values_and_gradients_are_trls_bit_for_bit(temperature, scale, dtype):
+    hidden, weight, targets, grad_logprobs = _inputs(40)
+    kwargs = dict(temperature=temperature, scale=scale, dtype=dtype)
+    theirs = _head(ChunkedLogProbFunction, hidden, weight, targets, grad_logprobs, **kwargs)
+    ours = _head(CpuChunkedLogProb, hidden, weight, targets, grad_logprobs, **kwargs)
+    for mine, trl in zip(ours, theirs):
+        assert torch.equal(mine, trl)
+    assert ours[2].abs().sum() > 0 and ours[1].abs().sum() > 0  # gradients reached both inputs
+
+
+def test_several_token_chunks_accumulate_like_trls():
+    hidden, weight, targets, grad_logprobs = _inputs(4096 + 37, hidden_size=8, vocab=200)
+    theirs = _head(ChunkedLogProbFunction, hidden, weight, targets, grad_logprobs, chunk_size=128)
+    ours = _head(CpuChunkedLogProb, hidden, weight, targets, grad_logprobs, chunk_size=128)
+    for mine, trl in zip(ours, theirs):
+        assert torch.equal(mine, trl)
+
+
+def test_frozen_hidden_states_give_only_the_weights_gradient():
+    hidden, weight, targets, grad_logprobs = _inputs(12)
+    hidden.requires_grad_(False)
+    theirs = _head(ChunkedLogProbFunction, hidden, weight, targets, grad_logprobs)
+    ours = _head(CpuChunkedLogProb, hidden, weight, targets, grad_logprobs)
+    assert ours[1] is None and theirs[1] is None
+    assert torch.equal(ours[2], theirs[2])
+
+
+@pytest.mark.parametrize("case", ["entropy gradient", "bias"])
+def test_other_cases_run_trls_backward(case, monkeypatch):
+    hidden, weight, targets, grad_logprobs = _inputs(10)
+    kwargs = {"entropy gradient": dict(grad_entropy=torch.linspace(-1, 1, 10)), "bias": dict(bias=torch.randn(250))}
+    calls = []
+    monkeypatch.setattr(cpu_logprob, "_backward", lambda *a: calls.append(a) or pytest.fail("ours ran"))
+    theirs = _head(ChunkedLogProbFunction, hidden, weight, targets, grad_logprobs, **kwargs[case])
+    ours = _head(CpuChunkedLogProb, hidden, weight, targets, grad_logprobs, **kwargs[case])
+    assert calls == []
+    for mine, trl in zip(ours, theirs):
+        assert torch.equal(mine, trl)
+
+
+def test_agents_train_through_it_on_a_cpu(qwen_path, make_config, prompts_dataset, monkeypatch):
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
+        args=make_config(max_steps=1),
+        train_dataset=prompts_dataset,
+    )
+    backward = cpu_logprob._backward
+    tokens = []
+
+    def spy(ctx, grad_logprobs):
+        tokens.append(ctx.saved_tensors[0].shape[0])
+        return backward(ctx, grad_logprobs)
+
+    monkeypatch.setattr(cpu_logprob, "_backward", spy)
+    before = [agent.model.get_output_embeddings().weight.detach().clone() for agent in trainer.agent_trainers]
+    trainer.train()
+    assert len(tokens) >= 2 and min(tokens) > 0  # every agent's loss went through it
+    for agent, weight in zip(trainer.agent_trainers, before):
+        assert not torch.equal(agent.model.get_output_embeddings().weight, weight)
+    # TRL's head is back outside the agents' forward
+    assert importlib.import_module("trl.trainer.utils")._ChunkedLogProbFunction is ChunkedLogProbFunction
+
+
+def _attention_kernels(run) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return {
+        event.key
+        for event in profile.key_averages()
+        if "scaled_dot_product" in event.key
+        and "_for_cpu" in event.key
+        or event.key == "aten::_scaled_dot_product_attention_math"
+    }
+
+
+def test_short_sequences_train_with_the_math_attention_kernel_on_a_cpu(qwen_path, make_config, prompts_dataset):
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=2,
+        reward_func=lambda a, b: [0.0] * len(a),
+        args=make_config(),
+        train_dataset=prompts_dataset,
+    )
+    agent = trainer.agent_trainers[0]
+    ids = torch.randint(3, agent.model.config.vocab_size, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: rows of the attention weights with every key masked
+
+    def forward():
+        logps, *_ = agent._get_per_token_logps_and_entropies(agent.model, ids, mask, 5)
+        return logps
+
+    math, flash = "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert _attention_kernels(lambda: forward().sum().backward()) == {math}
+    grads = [p.grad for p in agent.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # scoring: the flash kernel's forward is the faster one
+        assert _attention_kernels(forward) == {flash}
+    long_ids = torch.randint(3, agent.model.config.vocab_size, (1, 129))
+    long_run = lambda: agent._get_per_token_logps_and_entropies(agent.model, long_ids, torch.ones_like(long_ids), 5)  # noqa: E731
+    assert _attention_kernels(long_run) == {flash}
