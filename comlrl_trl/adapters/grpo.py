@@ -34,6 +34,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from ..hardware import cpu_attention_for_gradients
 from .cpu_logprob import CpuChunkedLogProb
+from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
@@ -142,7 +143,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
         outputs, on one thread to the bit; 12% less time), top-p filtering sorts only the tokens top-k kept
-        (`adapters/sampling.py`) and sampling draws only for the tokens top-k kept (`adapters/multinomial.py`),
+        (`adapters/sampling.py`), sampling draws only for the tokens top-k kept (`adapters/multinomial.py`) and the
+        decoding steps of Llama and Qwen2 models skip the Python between their operations (`adapters/decoding.py`),
         keeping the same tokens and random state as transformers and torch (on a GPU the full sort and draw are
         cheap, and the checks would wait for the device at every token).
         """
@@ -153,6 +155,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             nullcontext() if self.use_vllm else packed_linear_weights(self.model, rows=len(prompts)),
             finite_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
             nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else sparse_sampling(),
+            nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else lean_decoding(self.model),
         ):
             return Rollout(*super()._generate(prompts))
 

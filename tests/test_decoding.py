@@ -1,0 +1,163 @@
+"""Lean decoding steps (`comlrl_trl/adapters/decoding.py`): the model's own numbers, through fewer Python calls."""
+
+import contextlib
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from comlrl_trl.adapters import decoding
+from comlrl_trl.adapters.decoding import lean_decoding, lean_decoding_applies
+from comlrl_trl.adapters.packed_linear import packed_linear_weights
+from comlrl_trl.testing import tiny_model_path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_and_tokenizer(request):
+    path = tiny_model_path(request.param)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
+
+
+def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, **settings):
+    prompts = ["Write a story about item 3:", "Hi", "Tell me", "Write a story about item 12 and more:"]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)  # left padding of different lengths
+    config = GenerationConfig(
+        max_new_tokens=12,
+        do_sample=True,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        pad_token_id=tokenizer.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **settings,
+    )
+    bf16 = precision == "bf16"
+    with (
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+        packed_linear_weights(model, rows=len(prompts)) if bf16 else contextlib.nullcontext(),
+        lean_decoding(model) if lean else contextlib.nullcontext(),
+    ):
+        torch.manual_seed(seed)
+        out = model.generate(**encoded, generation_config=config)
+    return out.sequences, torch.stack(out.logits), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_generations_and_logits_are_the_models_own_bit_for_bit(model_and_tokenizer, precision, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    steps = []
+    step = decoding._decoding_step
+    monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(1) or step(*args))
+    for seed in (0, 1):
+        theirs = _generate(model, tokenizer, lean=False, precision=precision, seed=seed, min_new_tokens=12)
+        assert steps == []
+        ours = _generate(model, tokenizer, lean=True, precision=precision, seed=seed, min_new_tokens=12)
+        assert len(steps) == 11  # every step after the prompt's
+        steps.clear()
+        for mine, reference in zip(ours, theirs):
+            assert torch.equal(mine, reference)  # tokens, every step's logits, the random state after
+        assert ours[0].shape[1] > 12
+
+
+def test_rows_that_end_early_are_padded_as_by_the_model(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    # Every token but a few is end-of-sequence for this test, so rows finish at different steps.
+    eos = list(range(tokenizer.vocab_size))[5:]
+    theirs = _generate(model, tokenizer, lean=False, precision="fp32", eos_token_id=eos)
+    ours = _generate(model, tokenizer, lean=True, precision="fp32", eos_token_id=eos)
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
+
+
+def test_the_models_forward_is_back_after_the_block_and_after_an_error(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert "forward" not in vars(model)
+    with lean_decoding(model):
+        assert "forward" in vars(model)
+    assert "forward" not in vars(model)
+    own = model.forward.__func__.__get__(model)  # a forward set on the instance (as TRL's fused head does)
+    model.forward = own
+    try:
+        with pytest.raises(RuntimeError, match="boom"), lean_decoding(model):
+            assert model.forward is not own
+            raise RuntimeError("boom")
+        assert model.forward is own
+    finally:
+        del model.forward
+
+
+class _Stepped(Exception):
+    pass
+
+
+def test_other_calls_run_the_models_forward(model_and_tokenizer, monkeypatch):
+    model, _ = model_and_tokenizer
+
+    def step(*args):
+        raise _Stepped
+
+    monkeypatch.setattr(decoding, "_decoding_step", step)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad(), lean_decoding(model):
+        prompt = model(input_ids=ids, use_cache=True)  # the prompt: several positions, no cache yet
+        assert prompt.logits.shape[1] == 3
+        with pytest.raises(_Stepped):  # a decoding step goes through it
+            model(input_ids=ids[:, :1], cache=prompt.cache, use_cache=True)
+        model(input_ids=ids[:, :1], cache=prompt.cache, use_cache=True, output_hidden_states=True)
+
+
+def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert lean_decoding_applies(model)
+    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: None)
+    try:
+        assert not lean_decoding_applies(model)  # a hook it would skip
+    finally:
+        handle.remove()
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model.name_or_path), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
+    assert not lean_decoding_applies(lora.base_model.model)  # LoRA layers instead of nn.Linear
+    eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="eager")
+    assert not lean_decoding_applies(eager)
+    with lean_decoding(eager):
+        assert "forward" not in vars(eager)
+
+
+def test_agents_decode_through_it_and_train_as_without_it(qwen_path, make_config, prompts_dataset, monkeypatch):
+    from comlrl_trl.adapters import grpo
+    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
+
+    def train(lean: bool):
+        if not lean:
+            monkeypatch.setattr(grpo, "lean_decoding", lambda model: contextlib.nullcontext())
+        trainer = MAGRPOTrainer(
+            agent_model=qwen_path,
+            num_agents=2,
+            reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
+            args=make_config(max_steps=2),
+            train_dataset=prompts_dataset,
+        )
+        trainer.train()
+        rows = [
+            {k: v for k, v in row.items() if "time" not in k and "per_second" not in k}
+            for row in trainer.state.log_history
+        ]
+        return rows, [[p.detach().clone() for p in agent.model.parameters()] for agent in trainer.agent_trainers]
+
+    steps = []
+    step = decoding._decoding_step
+    monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(args[0]) or step(*args))
+    ours = train(lean=True)
+    assert len({id(model) for model in steps}) == 2  # both agents decoded through it
+    theirs = train(lean=False)
+    assert ours[0] == theirs[0]  # the same rewards, losses and metrics at every step
+    for mine, reference in zip(ours[1], theirs[1]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, reference))
+    initial = list(AutoModelForCausalLM.from_pretrained(qwen_path).parameters())
+    assert all(any(not torch.equal(a, b) for a, b in zip(agent, initial)) for agent in ours[1])  # both trained
