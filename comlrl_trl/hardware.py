@@ -3,10 +3,8 @@
 import ctypes
 import functools
 import os
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils import is_torch_bf16_gpu_available
 
 
@@ -89,28 +87,6 @@ def keep_freed_cpu_memory() -> bool:
         return False
     settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 * 2**20))
     return all(mallopt(parameter, value) == 1 for parameter, value in settings)
-
-
-# Up to this many positions, PyTorch's math attention kernel runs a forward and backward faster than its flash kernel
-# on a CPU. Measured on one thread, 4 rows, 9 heads of 64, bf16, causal mask: 2.2 against 5.3 ms at 62 positions,
-# 6.6 against 10.8 at 128, 15.8 against 10.8 at 192 (the math kernel holds the `positions x positions` weights).
-CPU_MATH_ATTENTION_MAX_POSITIONS = 128
-
-
-def cpu_attention_for_gradients(input_ids: torch.Tensor) -> AbstractContextManager[None]:
-    """The attention kernel of a forward whose gradients will be taken: PyTorch's math kernel on a CPU for sequences
-    up to `CPU_MATH_ATTENTION_MAX_POSITIONS`, where its backward is 2-3x faster than the flash kernel's (about 9% of
-    a SmolLM2 update's forward and backward), with no larger error (bf16 against float64: 7.0e-3 against 8.0e-3 on
-    the query gradient); fully masked rows (left padding) give zeros in both. Unchanged elsewhere: an accelerator,
-    longer sequences, a forward without gradients (where the flash kernel's forward is faster), or a model that does
-    not use `scaled_dot_product_attention`."""
-    if (
-        input_ids.device.type == "cpu"
-        and torch.is_grad_enabled()
-        and input_ids.shape[-1] <= CPU_MATH_ATTENTION_MAX_POSITIONS
-    ):
-        return sdpa_kernel(SDPBackend.MATH)
-    return nullcontext()
 
 
 def training_autocast(accelerator, bf16: bool):

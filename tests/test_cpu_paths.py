@@ -10,7 +10,6 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from comlrl_trl.hardware import cpu_attention_for_gradients
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
@@ -53,10 +52,7 @@ def test_head_scores_only_completion_positions_with_trls_values(qwen_path, make_
         return logps.detach(), model.get_output_embeddings().weight.grad.clone()
 
     ours, our_grad = logps_and_grad(type(agent)._get_per_token_logps_and_entropies)
-    with cpu_attention_for_gradients(
-        ids
-    ):  # the attention kernel ours picks (tests/test_cpu_logprob.py), to compare heads
-        theirs, their_grad = logps_and_grad(GRPOTrainer._get_per_token_logps_and_entropies)
+    theirs, their_grad = logps_and_grad(GRPOTrainer._get_per_token_logps_and_entropies)
 
     # TRL's own path on a CPU projects every position but the last (rows * 11); ours only the 13 completion tokens
     # that are not padding (5 + 5 + 3).

@@ -119,10 +119,6 @@ def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
         assert not lean_decoding_applies(model)  # a hook it would skip
     finally:
         handle.remove()
-    lora = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model.name_or_path), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
-    )
-    assert not lean_decoding_applies(lora.base_model.model)  # LoRA layers instead of nn.Linear
     eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="eager")
     assert not lean_decoding_applies(eager)
     with lean_decoding(eager):
@@ -161,3 +157,25 @@ def test_agents_decode_through_it_and_train_as_without_it(qwen_path, make_config
         assert all(torch.equal(a, b) for a, b in zip(mine, reference))
     initial = list(AutoModelForCausalLM.from_pretrained(qwen_path).parameters())
     assert all(any(not torch.equal(a, b) for a, b in zip(agent, initial)) for agent in ours[1])  # both trained
+
+
+def test_lora_models_decode_through_their_transformers_model_bit_for_bit(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
+    torch.manual_seed(0)
+    for name, parameter in lora.named_parameters():
+        if "lora_B" in name:  # zero at initialisation: the adapters would add nothing
+            parameter.data.normal_(0, 0.5)
+    steps = []
+    step = decoding._decoding_step
+    monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(args[0]) or step(*args))
+    for precision in ("fp32", "bf16"):
+        theirs = _generate(lora, tokenizer, lean=False, precision=precision, min_new_tokens=12)
+        ours = _generate(lora, tokenizer, lean=True, precision=precision, min_new_tokens=12)
+        for mine, reference in zip(ours, theirs):
+            assert torch.equal(mine, reference)
+    assert len(steps) == 22 and all(m is lora.get_base_model() for m in steps)
+    assert "forward" not in vars(lora.get_base_model())

@@ -14,9 +14,9 @@ without (`tests/test_decoding.py` compares whole generations and random states);
 between them. Every other call (the prompt's forward, anything with other arguments) is the model's own forward.
 
 Applies only to models whose layers are exactly transformers' `LlamaDecoderLayer` or `Qwen2DecoderLayer` (SmolLM2,
-Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, plain `nn.Linear` projections
-(PEFT's LoRA layers keep the model's forward) and no hooks on the modules it calls directly (Accelerate's offloading,
-user hooks), and not to parameters DeepSpeed shards.
+Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, no forward hooks on the modules it
+calls through `forward` (user hooks; a hook would be skipped), and not to parameters DeepSpeed shards. A PEFT model
+(LoRA agents) is decoded through its transformers model, whose LoRA layers' own `forward` runs as it would.
 """
 
 import functools
@@ -63,9 +63,18 @@ def lean_decoding_applies(model: nn.Module) -> bool:
         getattr(config, "_attn_implementation", None) == "sdpa"
         and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
         and not getattr(inner, "has_sliding_layers", False)
-        and all(type(module) is nn.Linear for module in projections)
-        and not any(module._forward_hooks or module._forward_pre_hooks for module in projections + norms)
+        and not any(_has_hooks(module) for module in projections + norms)
         and not any(hasattr(p, "ds_id") for p in model.parameters())
+    )
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module(...)` would run more than `module.forward(...)`: forward hooks, its own or global."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
     )
 
 
@@ -73,6 +82,8 @@ def lean_decoding_applies(model: nn.Module) -> bool:
 def lean_decoding(model: nn.Module) -> Iterator[None]:
     """Inside the block, `model`'s decoding steps run through `_decoding_step` where `lean_decoding_applies`; its
     `forward` is back afterwards, also after an error."""
+    if hasattr(model, "get_base_model"):  # PEFT: its generate runs the transformers model's forward
+        model = model.get_base_model()
     if not lean_decoding_applies(model):
         yield
         return

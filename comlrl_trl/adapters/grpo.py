@@ -32,7 +32,6 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from ..hardware import cpu_attention_for_gradients
 from .cpu_logprob import CpuChunkedLogProb
 from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled
@@ -359,7 +358,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._ratio_for = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        with _cpu_head(), cpu_attention_for_gradients(input_ids):
+        with _cpu_head():
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
