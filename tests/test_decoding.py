@@ -119,6 +119,12 @@ def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
         assert not lean_decoding_applies(model)  # a hook it would skip
     finally:
         handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert not lean_decoding_applies(model)  # a hook for every module call
+    finally:
+        handle.remove()
+    assert lean_decoding_applies(model)
     eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="eager")
     assert not lean_decoding_applies(eager)
     with lean_decoding(eager):

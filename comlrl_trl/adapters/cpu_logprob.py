@@ -12,8 +12,8 @@ it in the same order (`z = tile * inv_t`, `p = exp(z - log_z)`, `g * (1[target] 
 rounding of the gradient tile and the same fp32 products with the same operands. The values are TRL's bit for bit
 (`tests/test_cpu_logprob.py`), up to the sign of exact zeros (TRL adds its products to +0). The work differs: one
 fp32 buffer per tile updated in place, the target entries written once, the vocabulary gradient written by its
-products instead of zeroed and added to, and the bf16 weight chunks cast once per call instead of in the forward and
-again in the backward.
+products instead of zeroed and added to, and each weight chunk cast to bf16 and back to fp32 once per backward
+instead of once per token chunk and product.
 
 Applies on a CPU without a bias, logit soft-capping or a gradient for the entropy; the rest is TRL's own backward.
 """
@@ -60,12 +60,12 @@ def _backward(ctx, grad_logprobs: torch.Tensor | None) -> tuple[torch.Tensor | N
         hidden_chunk = hidden[token_start:token_end].to(compute_dtype)
         hidden_fp32 = hidden_chunk.float() if needs_weight else None
         rows = slice(token_start, token_end)
+        first_token_chunk = token_start == 0
         for i, (start, end) in enumerate(chunks):
             tile, grad = tile_buf[:n, : end - start], grad_buf[:n, : end - start]
             torch.mm(hidden_chunk, w_chunks[i].t(), out=tile)
             _logits_grad_(tile, grad, targets[rows], log_z[rows], grad_logprobs[rows], start, scale, inv_t)
             grad.copy_(tile)  # the bf16 gradient tile, as TRL's products read it
-            first_token_chunk = token_start == 0
             if grad_hidden is not None:
                 if i == 0:
                     torch.mm(grad, w_chunks_fp32[i], out=grad_hidden[rows])

@@ -31,6 +31,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .helpers import zero_sharded
+
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
@@ -60,22 +62,18 @@ def lean_decoding_applies(model: nn.Module) -> bool:
         projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
     return (
-        getattr(config, "_attn_implementation", None) == "sdpa"
+        not _global_hooks()
+        and getattr(config, "_attn_implementation", None) == "sdpa"
         and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
         and not getattr(inner, "has_sliding_layers", False)
-        and not any(_has_hooks(module) for module in projections + norms)
-        and not any(hasattr(p, "ds_id") for p in model.parameters())
+        and not any(module._forward_hooks or module._forward_pre_hooks for module in projections + norms)
+        and not zero_sharded(model)
     )
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module(...)` would run more than `module.forward(...)`: forward hooks, its own or global."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
-    )
+def _global_hooks() -> bool:
+    """Whether forward hooks registered for every module would run on a module call (and not on `forward`)."""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from .cpu_logprob import CpuChunkedLogProb
 from .decoding import lean_decoding
-from .helpers import attribute_replaced, gradient_checkpointing_disabled
+from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
 from .sampling import finite_top_p
@@ -510,7 +510,7 @@ def _frozen_weights_cast_once(model: torch.nn.Module, device_type: str):
     builds no graph; they are frozen again afterwards. Skipped when autocast is off or parameters are sharded.
     """
     frozen = []
-    if torch.is_autocast_enabled(device_type) and not any(hasattr(p, "ds_id") for p in model.parameters()):
+    if torch.is_autocast_enabled(device_type) and not zero_sharded(model):
         frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
     for p in frozen:
         p.requires_grad_(True)

@@ -48,6 +48,11 @@ def call_save_model(save_model: Callable[..., None], output_dir: str, internal_c
     save_model(output_dir, _internal_call=internal_call)
 
 
+def zero_sharded(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 shards `model`'s parameters (their values live in its partitions, not in `.data`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 @contextmanager
 def attribute_replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
     """A block in which `owner.name` (a function or class that TRL or transformers looks up at call time, or a

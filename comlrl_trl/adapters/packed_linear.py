@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .helpers import zero_sharded
+
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def packing_applies(model: nn.Module) -> bool:
         and torch.is_autocast_enabled("cpu")
         and torch.get_autocast_dtype("cpu") == torch.bfloat16
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        and not any(hasattr(p, "ds_id") for p in model.parameters())
+        and not zero_sharded(model)
     )
 
 
