@@ -1,5 +1,6 @@
 """The CPU backward of the log-probability head (`comlrl_trl/adapters/cpu_logprob.py`) gives TRL's numbers exactly."""
 
+import contextlib
 import importlib
 
 import pytest
@@ -120,3 +121,19 @@ def test_agents_train_through_it_on_a_cpu(qwen_path, make_config, prompts_datase
         assert not torch.equal(agent.model.get_output_embeddings().weight, weight)
     # TRL's head is back outside the agents' forward
     assert importlib.import_module("trl.trainer.utils")._ChunkedLogProbFunction is ChunkedLogProbFunction
+
+
+def test_the_head_is_gathered_for_the_backward(monkeypatch):
+    """Under ZeRO-3 an untied head is sharded to numel 0 outside its module's forward: the backward, which reads it
+    directly, must gather it as TRL's backward does (a no-op without ZeRO-3)."""
+    hidden, weight, targets, grad_logprobs = _inputs(10)
+    gathered = []
+
+    @contextlib.contextmanager
+    def gather(*params):
+        gathered.append([tuple(p.shape) for p in params])
+        yield
+
+    monkeypatch.setattr(cpu_logprob, "maybe_gather_lm_head_ctx", gather)
+    _head(CpuChunkedLogProb, hidden, weight, targets, grad_logprobs)
+    assert gathered == [[(250, 24)]]

@@ -20,6 +20,7 @@ Applies on a CPU without a bias, logit soft-capping or a gradient for the entrop
 
 import torch
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE, ChunkedLogProbFunction
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 
 class CpuChunkedLogProb(ChunkedLogProbFunction):
@@ -31,7 +32,8 @@ class CpuChunkedLogProb(ChunkedLogProbFunction):
         args = ctx.kernel_args
         if hidden.device.type != "cpu" or bias is not None or args["HAS_SOFTCAP"] or grad_entropy is not None:
             return ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy)
-        grad_hidden, grad_weight = _backward(ctx, grad_logprobs)
+        with maybe_gather_lm_head_ctx(weight):  # ZeRO-3: the full head for the backward, as TRL's backward does
+            grad_hidden, grad_weight = _backward(ctx, grad_logprobs)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
