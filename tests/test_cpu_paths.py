@@ -111,58 +111,6 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(qwen_path, make_co
     assert calls == [1]
 
 
-def test_finite_top_p_keeps_a_hand_worked_nucleus():
-    from comlrl_trl.adapters.sampling import FiniteTopPLogitsWarper
-
-    # probabilities 0.5, 0.3, 0.2 among three tokens left by top-k; ascending cumulative 0.2, 0.5, 1.0: with
-    # top_p=0.6 only the 0.2 token lies within 1 - 0.6 = 0.4 and is dropped.
-    scores = torch.full((1, 3000), float("-inf"))  # a vocabulary where the filter sorts (from 2048 tokens)
-    scores[0, [4, 1, 2]] = torch.tensor([0.5, 0.3, 0.2]).log()
-    out = FiniteTopPLogitsWarper(top_p=0.6)(None, scores)
-    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 4]
-    assert out[0, 1] == scores[0, 1] and out[0, 4] == scores[0, 4]
-
-
-@pytest.mark.parametrize("top_k", [1, 5, 50, 0])
-@pytest.mark.parametrize("top_p", [0.05, 0.6, 0.95])
-@pytest.mark.parametrize("min_tokens_to_keep", [1, 3])
-def test_finite_top_p_keeps_what_transformers_keeps(top_k, top_p, min_tokens_to_keep):
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
-    from comlrl_trl.adapters.sampling import FiniteTopPLogitsWarper
-
-    generator = torch.Generator().manual_seed(top_k + int(100 * top_p) + min_tokens_to_keep)
-    for trial in range(40):
-        scores = torch.randn(8, 3000, generator=generator) * 4
-        if trial % 2:
-            # bf16 logits: many equal scores, where transformers' unstable sort decides which of two equal scores
-            # at the cut is dropped
-            scores = scores.to(torch.bfloat16).float()
-        scores[3, :2990] = float("-inf")  # a row with fewer finite scores than top-k leaves elsewhere
-        if top_k:
-            scores = TopKLogitsWarper(top_k=max(top_k, min_tokens_to_keep))(None, scores)
-        theirs = TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, scores)
-        ours = FiniteTopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, scores)
-        assert torch.equal(ours, theirs)
-
-
-def test_agents_generate_with_finite_top_p(qwen_path, make_config, prompts_dataset, monkeypatch):
-    import transformers.generation.utils as generation_utils
-
-    from comlrl_trl.adapters.sampling import FiniteTopPLogitsWarper
-
-    agent = _agent(qwen_path, make_config, prompts_dataset)
-    filtered = []
-    call = FiniteTopPLogitsWarper.__call__
-    monkeypatch.setattr(
-        FiniteTopPLogitsWarper, "__call__", lambda self, ids, s: filtered.append(1) or call(self, ids, s)
-    )
-    rollout = agent.generate(["Write a story about item 1:"] * 4)
-    assert len(rollout.completion_ids) == 4
-    assert 1 <= len(filtered) <= 8  # once per decoding step (max_new_tokens=8): top_p=0.6 and top_k=50 by default
-    assert generation_utils.TopPLogitsWarper.__name__ == "TopPLogitsWarper"  # transformers' own again afterwards
-
-
 def test_replaced_attribute_comes_back_after_an_error():
     import types
 

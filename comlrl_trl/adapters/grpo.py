@@ -37,7 +37,7 @@ from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
-from .sampling import finite_top_p
+from .sampling import fused_top_k_top_p
 
 
 logger = logging.get_logger(__name__)
@@ -141,7 +141,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
-        outputs, on one thread to the bit; 12% less time), top-p filtering sorts only the tokens top-k kept
+        outputs, on one thread to the bit; 12% less time), top-k and top-p filtering work on the tokens top-k keeps
         (`adapters/sampling.py`), sampling draws only for the tokens top-k kept (`adapters/multinomial.py`) and the
         decoding steps of Llama and Qwen2 models skip the Python between their operations (`adapters/decoding.py`),
         keeping the same tokens and random state as transformers and torch (on a GPU the full sort and draw are
@@ -152,7 +152,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             torch.no_grad(),
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
             nullcontext() if self.use_vllm else packed_linear_weights(self.model, rows=len(prompts)),
-            finite_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
+            fused_top_k_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
             nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else sparse_sampling(),
             nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else lean_decoding(self.model),
         ):

@@ -1,0 +1,174 @@
+"""Top-k then top-p from one top-k (`comlrl_trl/adapters/sampling.py`): transformers' kept tokens and values."""
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.utils import GenerationMixin
+
+from comlrl_trl.adapters import sampling
+from comlrl_trl.adapters.sampling import TopKTopPLogitsWarper, fused_top_k_top_p
+
+
+def _warpers(top_k, top_p, min_tokens_to_keep=1):
+    return (
+        TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=min_tokens_to_keep),
+        TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=min_tokens_to_keep),
+    )
+
+
+def _count_their_rows(monkeypatch) -> list[int]:
+    """Rows handed to transformers' warpers by `TopKTopPLogitsWarper`, one count per call that hands any."""
+    counts = []
+    theirs = TopKTopPLogitsWarper._theirs
+    monkeypatch.setattr(
+        TopKTopPLogitsWarper, "_theirs", lambda self, ids, s: counts.append(len(s)) or theirs(self, ids, s)
+    )
+    return counts
+
+
+def test_a_hand_worked_nucleus():
+    # Top-3 keeps tokens 4, 1, 2 (probabilities 0.5, 0.3, 0.2 among them); ascending cumulative 0.2, 0.5, 1.0: with
+    # top_p=0.6 only the 0.2 token lies within 1 - 0.6 = 0.4 and is dropped. Every other token is far below.
+    scores = torch.full((1, 3000), -30.0)
+    scores[0, 7] = -20.0  # the 4th score: not kept by top-3
+    scores[0, [4, 1, 2]] = torch.tensor([0.5, 0.3, 0.2]).log()
+    out = TopKTopPLogitsWarper(*_warpers(3, 0.6))(None, scores)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 4]
+    assert out[0, 1] == scores[0, 1] and out[0, 4] == scores[0, 4]
+
+
+@pytest.mark.parametrize("vocabulary", [3000, 50257, 49152])
+@pytest.mark.parametrize("top_k", [2, 17, 50, 64, 300])
+@pytest.mark.parametrize("top_p", [0.05, 0.6, 0.95])
+@pytest.mark.parametrize("min_tokens_to_keep", [1, 3])
+def test_keeps_what_transformers_keeps(vocabulary, top_k, top_p, min_tokens_to_keep, monkeypatch):
+    their_rows = _count_their_rows(monkeypatch)
+    top_k_warper, top_p_warper = _warpers(top_k, top_p, min_tokens_to_keep)
+    generator = torch.Generator().manual_seed(vocabulary + top_k + int(100 * top_p) + min_tokens_to_keep)
+    for trial in range(6):
+        scores = torch.randn(8, vocabulary, generator=generator) * 4
+        if trial % 2:
+            # bf16 logits: many equal scores, where transformers' unstable sort decides which of two equal scores
+            # at the cut is dropped
+            scores = scores.to(torch.bfloat16).float()
+        scores[3, : vocabulary - top_k + 1] = float("-inf")  # fewer finite scores than top-k keeps
+        scores[5, 11] = scores[5].max()  # the two largest scores equal
+        theirs = top_p_warper(None, top_k_warper(None, scores))
+        ours = TopKTopPLogitsWarper(top_k_warper, top_p_warper)(None, scores)
+        assert torch.equal(ours, theirs)
+    # Float scores: only row 3 (and row 5 where the cut falls between its two largest) take transformers' sort;
+    # bf16 scores as many rows as have a tie at the cut.
+    assert len(their_rows) == 6 and all(1 <= n <= 2 for n in their_rows[0::2])
+
+
+@pytest.mark.parametrize("special", ["nan", "inf", "tie_after_k", "many_ties_after_k"])
+def test_rows_it_cannot_filter_go_to_transformers_alone(special, monkeypatch):
+    their_rows = _count_their_rows(monkeypatch)
+    top_k_warper, top_p_warper = _warpers(5, 0.9)
+    scores = torch.randn(4, 4096, generator=torch.Generator().manual_seed(1))
+    if special == "nan":
+        scores[2, 9] = float("nan")
+    elif special == "inf":
+        scores[2, 9] = float("inf")
+    else:  # scores equal to the 5th largest after it, which top-k keeps too: 1, or more than the candidates hold
+        repeats = 1 if special == "tie_after_k" else sampling._TIES
+        fifth = scores[2].topk(5).values[-1]
+        scores[2, scores[2] < fifth] -= 10
+        scores[2, (scores[2] < fifth).nonzero()[:repeats, 0]] = fifth
+        assert torch.isfinite(top_k_warper(None, scores)[2]).sum() == 5 + repeats
+    ours = TopKTopPLogitsWarper(top_k_warper, top_p_warper)(None, scores)
+    theirs = top_p_warper(None, top_k_warper(None, scores))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+    assert their_rows == ([] if special == "tie_after_k" else [1])
+
+
+def test_the_nucleus_sums_match_the_full_row_only_when_aligned():
+    # The short row must start at the full row's position modulo the vector blocks: 16 positions off, torch adds
+    # the scores in other lanes, and the sums differ on a quarter of these rows.
+    generator = torch.Generator().manual_seed(2)
+    ascending = (torch.randn(512, 3, generator=generator) * 3).sort(dim=-1).values
+    vocabulary = 4095
+    row = torch.full((512, vocabulary), -float("inf"))
+    row[:, -3:] = ascending
+    full = row.softmax(-1).cumsum(-1)[:, -3:]
+    assert torch.equal(sampling.nucleus_cumulative(ascending, vocabulary), full)
+    assert (sampling.nucleus_cumulative(ascending, vocabulary + 16) != full).any(-1).sum() > 64
+
+
+def test_a_torch_that_adds_otherwise_keeps_transformers_warpers(monkeypatch, caplog):
+    monkeypatch.setattr(sampling, "_ALIGN", 16)  # a short row that starts elsewhere: other sums on this build
+    sampling._agrees_with_torch.cache_clear()
+    their_rows = _count_their_rows(monkeypatch)
+    try:
+        with caplog.at_level(logging.WARNING, logger=sampling.__name__):
+            scores = torch.randn(2, 4096, generator=torch.Generator().manual_seed(3))
+            TopKTopPLogitsWarper(*_warpers(50, 0.6))(None, scores)
+        assert their_rows == [2]
+        assert "sorts every token" in caplog.text
+    finally:
+        sampling._agrees_with_torch.cache_clear()
+
+
+def test_generate_builds_one_warper_for_the_pair_and_transformers_own_afterwards():
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    original = GenerationMixin._get_logits_processor
+
+    def built(**settings):
+        config = GenerationConfig(do_sample=True, **settings)
+        return [type(p) for p in model._get_logits_processor(config, input_ids_seq_length=1, device="cpu")]
+
+    with fused_top_k_top_p():
+        assert built(temperature=0.6, top_k=50, top_p=0.6) == [TemperatureLogitsWarper, TopKTopPLogitsWarper]
+        assert built(top_k=50, top_p=1.0) == [TopKLogitsWarper]
+        assert built(top_k=0, top_p=0.6) == [TopPLogitsWarper]
+    assert GenerationMixin._get_logits_processor is original
+    assert built(top_k=50, top_p=0.6) == [TopKLogitsWarper, TopPLogitsWarper]
+
+
+def test_whole_generations_are_transformers_own(monkeypatch):
+    their_rows = _count_their_rows(monkeypatch)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    prompts = torch.randint(1, 4096, (6, 5))
+    settings = GenerationConfig(
+        max_new_tokens=16,
+        min_new_tokens=16,
+        do_sample=True,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+    def generate(fused: bool):
+        torch.manual_seed(1)
+        with torch.no_grad(), fused_top_k_top_p() if fused else torch.no_grad():
+            out = model.generate(prompts, generation_config=settings)
+        return out.sequences, torch.get_rng_state()
+
+    theirs, ours = generate(False), generate(True)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert sum(their_rows) < 6 * 16 // 2  # most rows of the 16 steps filtered on the short row
