@@ -117,33 +117,30 @@ def test_invalid_probabilities_raise_torchs_error(row, message):
 
 
 def test_a_zero_probability_entry_whose_variate_is_zero_wins_as_in_torch(monkeypatch):
-    """torch's race scores such an entry 0/0 = NaN and its argmax takes the NaN (odds 2**-53 per entry, so the words
-    are forced here): entry 2, whose two words are 0, beats entry 0, the only candidate."""
+    """torch's race scores such an entry 0/0 = NaN and its argmax takes the NaN (odds 2**-53 per entry, so the
+    uniform is forced here): entry 2, whose uniform is 0, beats entry 0, the only candidate."""
+    real = multinomial._uniforms
 
-    class ForcedWords:
-        """torch's generator, except that entry 2 draws two zero words."""
+    def forced(count):
+        u = real(count)
+        u[2] = 0.0
+        return u
 
-        def __init__(self, generator):
-            self.generator = generator
+    monkeypatch.setattr(multinomial, "_uniforms", forced)
+    probs = torch.zeros(2, 10)
+    probs[:, 0] = 1.0
+    assert multinomial.race(probs, torch.tensor([0, 10])).flatten().tolist() == [2, 0]
 
-        def random_raw(self, size):
-            words = self.generator.random_raw(size)
-            words[4:6] = 0  # entry 2: high and low word
-            return words
 
-        @property
-        def state(self):
-            return self.generator.state
-
-    real = multinomial._generator_from
-
-    def forced(state):
-        return ForcedWords(real(state))
-
-    monkeypatch.setattr(multinomial, "_generator_from", forced)
-    probs = torch.zeros(1, 10)
-    probs[0, 0] = 1.0
-    assert multinomial.race(probs, torch.tensor([0])).item() == 2
+def test_the_first_of_equal_scores_wins_as_in_torch(monkeypatch):
+    """Equal p / q in a row (equal probabilities, forced equal uniforms): torch's argmax takes the first."""
+    monkeypatch.setattr(multinomial, "_uniforms", lambda count: torch.full((count,), 0.5, dtype=torch.float64))
+    probs = torch.zeros(3, 10)
+    probs[0, [3, 7]] = 0.5
+    probs[1, [1, 4, 6]] = torch.tensor([0.25, 0.5, 0.25])
+    probs[2, [8, 9]] = 0.5
+    candidates = probs.reshape(-1).nonzero().squeeze(1)
+    assert multinomial.race(probs, candidates).flatten().tolist() == [3, 4, 8]
 
 
 def test_a_torch_that_draws_otherwise_keeps_its_own_sampling_with_a_warning(monkeypatch, caplog):
