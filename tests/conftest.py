@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from comlrl_trl.testing import tiny_model_path  # noqa: E402
-from comlrl_trl.trainers.reinforce import MAGRPOConfig  # noqa: E402
+from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 
 torch.set_num_threads(1)
@@ -64,5 +64,26 @@ def make_config(tmp_path):
             settings["steps_per_generation"] = overrides.get("gradient_accumulation_steps", 1)
         settings.update(overrides)
         return config_cls(**settings)
+
+    return make
+
+
+def _zero_reward(completions_0, completions_1):
+    return [0.0] * len(completions_0)
+
+
+@pytest.fixture
+def make_team(qwen_path, make_config, prompts_dataset):
+    """A two-agent MAGRPOTrainer on the tiny Qwen2 model and the prompts dataset; keyword arguments override
+    `make_config`'s settings, `reward_func` the joint reward (0 by default)."""
+
+    def make(reward_func=_zero_reward, **overrides):
+        return MAGRPOTrainer(
+            agent_model=qwen_path,
+            num_agents=2,
+            reward_func=reward_func,
+            args=make_config(**overrides),
+            train_dataset=prompts_dataset,
+        )
 
     return make

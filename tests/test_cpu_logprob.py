@@ -9,7 +9,6 @@ from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 from comlrl_trl.adapters import cpu_logprob
 from comlrl_trl.adapters.cpu_logprob import CpuChunkedLogProb
-from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
 def _head(
@@ -98,14 +97,8 @@ def test_other_cases_run_trls_backward(case, monkeypatch):
         assert torch.equal(mine, trl)
 
 
-def test_agents_train_through_it_on_a_cpu(qwen_path, make_config, prompts_dataset, monkeypatch):
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        num_agents=2,
-        reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
-        args=make_config(max_steps=1),
-        train_dataset=prompts_dataset,
-    )
+def test_agents_train_through_it_on_a_cpu(make_team, monkeypatch):
+    trainer = make_team(reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)], max_steps=1)
     backward = cpu_logprob._backward
     tokens = []
 

@@ -10,25 +10,16 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from comlrl_trl.trainers.reinforce import MAGRPOTrainer
-
 
 trl_utils = importlib.import_module("trl.trainer.utils")
 
 
-def _agent(qwen_path, make_config, prompts_dataset):
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        num_agents=2,
-        reward_func=lambda a, b: [0.0] * len(a),
-        args=make_config(),
-        train_dataset=prompts_dataset,
-    )
-    return trainer.agent_trainers[1]
+def _agent(make_team):
+    return make_team().agent_trainers[1]
 
 
-def test_head_scores_only_completion_positions_with_trls_values(qwen_path, make_config, prompts_dataset, monkeypatch):
-    agent = _agent(qwen_path, make_config, prompts_dataset)
+def test_head_scores_only_completion_positions_with_trls_values(make_team, monkeypatch):
+    agent = _agent(make_team)
     model = agent.model
     torch.manual_seed(0)
     prompt_len, completion_len, rows = 7, 5, 3
@@ -95,19 +86,13 @@ def test_kept_memory_is_reused_without_page_faults():
     assert faults("keep") < 1_000
 
 
-def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(qwen_path, make_config, prompts_dataset, monkeypatch):
+def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(make_team, monkeypatch):
     import comlrl_trl.trainers.team.trainer as team_trainer
 
     calls = []
     monkeypatch.setattr(team_trainer, "keep_freed_cpu_memory", lambda: calls.append(1))
     for keep in (True, False):
-        MAGRPOTrainer(
-            agent_model=qwen_path,
-            num_agents=2,
-            reward_func=lambda a, b: [0.0] * len(a),
-            args=make_config(keep_freed_cpu_memory=keep),
-            train_dataset=prompts_dataset,
-        )
+        make_team(keep_freed_cpu_memory=keep)
     assert calls == [1]
 
 
@@ -187,16 +172,10 @@ def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_
 
 
 @bf16_kernels
-def test_agents_generate_with_packed_weights_in_bf16(qwen_path, make_config, prompts_dataset, monkeypatch):
+def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
     from comlrl_trl.adapters.packed_linear import PackedLinear
 
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        num_agents=2,
-        reward_func=lambda a, b: [0.0] * len(a),
-        args=make_config(bf16=True, use_cpu=True),
-        train_dataset=prompts_dataset,
-    )
+    trainer = make_team(bf16=True, use_cpu=True)
     calls = []
     call = PackedLinear.__call__
     monkeypatch.setattr(PackedLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden))

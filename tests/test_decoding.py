@@ -131,20 +131,13 @@ def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
         assert "forward" not in vars(eager)
 
 
-def test_agents_decode_through_it_and_train_as_without_it(qwen_path, make_config, prompts_dataset, monkeypatch):
+def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, monkeypatch):
     from comlrl_trl.adapters import grpo
-    from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
     def train(lean: bool):
         if not lean:
             monkeypatch.setattr(grpo, "lean_decoding", lambda model: contextlib.nullcontext())
-        trainer = MAGRPOTrainer(
-            agent_model=qwen_path,
-            num_agents=2,
-            reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
-            args=make_config(max_steps=2),
-            train_dataset=prompts_dataset,
-        )
+        trainer = make_team(reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)], max_steps=2)
         trainer.train()
         rows = [
             {k: v for k, v in row.items() if "time" not in k and "per_second" not in k}

@@ -7,7 +7,6 @@ import torch
 
 from comlrl_trl.adapters import multinomial
 from comlrl_trl.adapters.multinomial import sparse_multinomial, sparse_sampling
-from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
 def _top_k_probs(rows: int, vocabulary: int, k: int, seed: int) -> torch.Tensor:
@@ -190,14 +189,8 @@ def test_generation_samples_the_same_tokens_with_and_without_it(qwen_path):
     assert torch.equal(ours, plain) and torch.equal(our_state, plain_state)
 
 
-def test_agents_sample_through_it_on_a_cpu(qwen_path, make_config, prompts_dataset, monkeypatch):
-    trainer = MAGRPOTrainer(
-        agent_model=qwen_path,
-        num_agents=2,
-        reward_func=lambda a, b: [0.0] * len(a),
-        args=make_config(use_cpu=True),
-        train_dataset=prompts_dataset,
-    )
+def test_agents_sample_through_it_on_a_cpu(make_team, monkeypatch):
+    trainer = make_team(use_cpu=True)
     raced = []
     race = multinomial.race
     monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
