@@ -9,7 +9,7 @@ torch's Mersenne Twister and a `log1p`: 6-7 ms, a tenth of the step.
 uniforms from torch's generator, in order (`torch.rand` in double precision takes two words per entry and keeps
 their low 53 bits, as the exponential variates of the race do), turns only those of nonzero entries into torch's
 variates (q = -log1p(-u) in double precision, rounded to float32) and takes the first largest p / q of each row
-among them: the other entries score 0. 2.3 ms instead of 6.9 for that step, most of it drawing the uniforms.
+among them: the other entries score 0. 2.7 ms instead of 7.8 for that step, most of it drawing the uniforms.
 
 It runs where torch would run its race: one sample, float32 probabilities on the CPU, torch's default generator,
 at least 65536 entries (below, torch's race is as fast). Invalid probabilities, many nonzero entries (no top-k:
