@@ -86,6 +86,24 @@ def test_rows_it_cannot_filter_go_to_transformers_alone(special, monkeypatch):
     assert their_rows == ([] if special == "tie_after_k" else [1])
 
 
+def test_repeats_of_the_kth_score_beyond_the_candidates_go_to_transformers(monkeypatch):
+    # Scores 5, 4, 3, 2 and 18 repeats of 1 (the 5th largest, so top-5 keeps all 22); the k + 16 = 21 candidates
+    # hold only 17 of the repeats. Ascending cumulative probabilities of transformers' 22 tokens: 0.175 after the
+    # repeats, 0.2016 after the 2; over 21 tokens they would be 0.167 and 0.1937. With 1 - top_p = 0.198 transformers
+    # keeps the 2, and the short row would drop it: the row must go to transformers.
+    assert sampling._TIES == 16
+    their_rows = _count_their_rows(monkeypatch)
+    top_k_warper, top_p_warper = _warpers(5, 0.802)
+    scores = torch.full((2, 4096), -20.0)
+    scores[0] = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    scores[1, [7, 70, 700, 3000]] = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    scores[1, 100:118] = 1.0
+    theirs = top_p_warper(None, top_k_warper(None, scores))
+    assert torch.isfinite(theirs[1]).nonzero().flatten().tolist() == [7, 70, 700, 3000]
+    assert torch.equal(TopKTopPLogitsWarper(top_k_warper, top_p_warper)(None, scores), theirs)
+    assert their_rows == [1]
+
+
 def test_the_nucleus_sums_match_the_full_row_only_when_aligned():
     # The short row must start at the full row's position modulo the vector blocks: 16 positions off, torch adds
     # the scores in other lanes, and the sums differ on a quarter of these rows.
