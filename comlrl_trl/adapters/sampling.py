@@ -8,7 +8,7 @@ found on the kept scores and the output row is written once. It keeps exactly th
 the same values:
 
 - the softmax and cumulative sum run over a short row that ends with the kept scores ascending, as transformers'
-  sorted row does, and is as long as the vocabulary modulo 64 (`_ALIGN`): torch's CPU softmax adds the row in
+  sorted row does, and whose length equals the vocabulary's modulo 64 (`_ALIGN`): torch's CPU softmax adds a row in
   vector lanes from its start, and the `-inf` entries before the scores add exact zeros, so the sums, and every
   cumulative probability, are transformers' to the last bit (`_agrees_with_torch` checks this build once);
 - a row goes to transformers' two warpers where more than 16 scores after the k-th equal it, where the nucleus'
@@ -39,8 +39,8 @@ _MIN_VOCABULARY = 2048
 _MAX_TOP_K = 1024
 # Scores taken beyond the k-th, for the ones equal to it that top-k keeps too (frequent with bf16 logits).
 _TIES = 16
-# The short row is as long as the vocabulary modulo this: a multiple of the vector lanes (8 or 16 floats) and of
-# the unrolled blocks torch's CPU reductions add them in.
+# The short row's length equals the vocabulary's modulo this: a multiple of the vector lanes (8 or 16 floats) and
+# of the unrolled blocks torch's CPU reductions add them in.
 _ALIGN = 64
 
 
