@@ -51,8 +51,9 @@ def race(probs: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         u = _uniforms(min(step, flat.numel() - start))
         inside = candidates[(candidates >= start) & (candidates < start + u.numel())]
         picked.append(u[inside - start])
-        if bool((u == 0).any()):  # odds 2**-53 per entry
-            zero.append((u == 0).nonzero().squeeze(1) + start)
+        drawn_zero = u == 0  # odds 2**-53 per entry
+        if bool(drawn_zero.any()):
+            zero.append(drawn_zero.nonzero().squeeze(1) + start)
     q = torch.tensor([-math.log1p(-x) for x in torch.cat(picked).tolist()], dtype=torch.float64)
     scores = flat[candidates] / q.to(torch.float32)
     if zero:
