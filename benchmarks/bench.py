@@ -310,6 +310,8 @@ def main() -> None:
         results.append({"label": label, "system": system, "settings": settings, **result})
     ratios = summarize(results)
     print_table(results, ratios)
+    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -320,6 +322,8 @@ def main() -> None:
                 "date": stamp,
                 "machine": platform.platform(),
                 "cpus": os.cpu_count(),
+                "cpu": cpu_model(),
+                "bf16_units": cpu_has_fast_bf16(),  # whether ours trains SmolLM2 in bf16 at defaults here
                 "ratios": ratios,
                 "results": results,
             },

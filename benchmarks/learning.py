@@ -219,6 +219,7 @@ def main():
 
     sys.path.insert(0, str(ROOT))
     from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
 
     base = {"model": demo_model_path(), "epochs": args.epochs, "lr": 5e-5, "k": 4, "tokens": 48, "eval_samples": 4}
     if "peer" in args.systems:
@@ -279,7 +280,12 @@ def main():
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
     out = {
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
+            "bf16_units": cpu_has_fast_bf16(),  # whether ours trains in bf16 at defaults here
+            "cpus": os.cpu_count(),
+        },
         "settings": base,
         "initial": initial,
         "rows": rows,

@@ -35,6 +35,16 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (Linux `/proc/cpuinfo`), or "unknown": benchmark results record it, because the same
+    code runs several-fold faster or slower on machines with the same core count."""
+    try:
+        with open(cpuinfo) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 # Below this hidden size a model's matrix products are too small for bf16 to gain on a CPU: autocast's casts then
 # cost more than they save (measured: the tiny test models, hidden size 32-48, train about 20% slower under bf16;
 # SmolLM2-135M, hidden size 576, generates 2.3x and runs forward and backward 2.8x faster).

@@ -142,15 +142,19 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
     rewards = [row["turn_1/reward_mean"] for row in trainer.state.log_history if "turn_1/reward_mean" in row]
     evals = [row["eval/turn_1/reward_mean"] for row in trainer.state.log_history if "eval/turn_1/reward_mean" in row]
     window = max(1, len(rewards) // 5)
-    # Machines with the same core count differ several-fold (bf16 units, clock): a timing goes with this rate.
-    threads, bf16_rate = torch.get_num_threads(), matmul_gflops(torch.bfloat16)
+    # Machines with the same core count differ several-fold (bf16 units, clock, memory): a timing goes with the rate
+    # of a matrix product in the precision the run trained in (fp32 where the CPU has no bf16 units: a bf16 product
+    # there is emulated, about 100x slower, and says nothing about the run).
+    dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
+    threads, rate = torch.get_num_threads(), matmul_gflops(dtype)
+    precision = str(dtype).removeprefix("torch.")
     summary = {
         "task": recipe.task,
         "dataset": recipe.dataset_name,
         "reward_func": recipe.reward_func,
         "algorithm": recipe.algorithm,
         "train_seconds": round(seconds, 1),
-        "machine": {"torch_threads": threads, "bf16_matmul_gflops": round(bf16_rate, 1)},
+        "machine": {"torch_threads": threads, "matmul_dtype": precision, "matmul_gflops": round(rate, 1)},
         "env_steps": trainer.env_step,
         "train_reward_first": sum(rewards[:window]) / window if rewards else None,
         "train_reward_last": sum(rewards[-window:]) / window if rewards else None,
@@ -165,7 +169,8 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
         json.dump(summary, f, indent=2)
     lines = [
         f"trained in {seconds:.0f} s, {trainer.env_step} joint actions scored "
-        f"(this machine: {bf16_rate:.0f} GFLOP/s on a 1024x1024 bf16 matmul with {threads} torch thread(s))"
+        f"(in {precision}; this machine: {rate:.0f} GFLOP/s on a 1024x1024 {precision} matmul with {threads} torch "
+        "thread(s))"
     ]
     if rewards:
         lines.append(

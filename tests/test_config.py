@@ -54,6 +54,15 @@ def test_cpu_flags_decide_fast_bf16(tmp_path):
     assert hardware.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
 
+def test_cpu_model_is_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: avx2\n")
+    assert hardware.cpu_model(str(cpuinfo)) == "AMD EPYC 7B13"
+    (tmp_path / "arm").write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # no model name line (some ARM kernels)
+    assert hardware.cpu_model(str(tmp_path / "arm")) == "unknown"
+    assert hardware.cpu_model(str(tmp_path / "missing")) == "unknown"
+
+
 def test_explicit_bf16_false_is_kept(out):
     cfg = config(out, bf16=False)
     assert cfg.bf16 is False
