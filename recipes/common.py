@@ -144,7 +144,7 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
     window = max(1, len(rewards) // 5)
     # Machines with the same core count differ several-fold (bf16 units, clock, memory): a timing goes with the rate
     # of a matrix product in the precision the run trained in (fp32 where the CPU has no bf16 units: a bf16 product
-    # there is emulated, about 100x slower, and says nothing about the run).
+    # there is emulated, tens of times slower, and says nothing about the run).
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
     threads, rate = torch.get_num_threads(), matmul_gflops(dtype)
     precision = str(dtype).removeprefix("torch.")
