@@ -27,22 +27,23 @@ def bf16_is_fast(use_cpu: bool) -> bool:
 @functools.cache
 def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AMX-BF16 or AVX512-BF16 (read from `cpuinfo`; False where it is absent)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = (_cpuinfo_value("flags", cpuinfo) or "").split()
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name (Linux `/proc/cpuinfo`), or "unknown": benchmark results record it, because the same
     code runs several-fold faster or slower on machines with the same core count."""
+    return _cpuinfo_value("model name", cpuinfo) or "unknown"
+
+
+def _cpuinfo_value(key: str, cpuinfo: str) -> str | None:
+    """The value of the first `key: value` line of `cpuinfo`, stripped; None where the file or the line is absent."""
     try:
         with open(cpuinfo) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
     except OSError:
-        return "unknown"
+        return None
 
 
 # Below this hidden size a model's matrix products are too small for bf16 to gain on a CPU: autocast's casts then
