@@ -201,3 +201,138 @@ def test_packing_falls_back_to_the_layers_own_forward_where_onednn_cannot_pack(m
         assert "forward" not in vars(model[0])
         assert model(torch.ones(1, 8)).shape == (1, 8)
     assert "without packed bf16 weights" in caplog.text
+
+
+def test_fp16_weight_linear_sums_in_fp32_over_weights_rounded_to_fp16():
+    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear
+
+    layer = torch.nn.Linear(256, 3)
+    with torch.no_grad():
+        # Row 0: 1 + 2**-12 lies between fp16's neighbours 1 and 1 + 2**-10 and rounds to 1: 256 inputs of 1 sum to
+        # 256 (fp32 weights: 256.0625). Row 1: eighths are exact in fp16, so it is the fp32 sum, -32 + 0.5 = -31.5.
+        # Row 2: 2**-20 is below fp16's normal range (subnormal step 2**-24): 256 * 2**-20 = 2**-12 exactly.
+        layer.weight[0] = 1 + 2**-12
+        layer.weight[1] = -0.125
+        layer.weight[2] = 2**-20
+        layer.bias[:] = torch.tensor([0.0, 0.5, 0.0])
+    hidden = torch.ones(2, 1, 256)
+    got = Fp16WeightLinear(layer)(hidden)
+    assert got.dtype == torch.float32 and got.shape == (2, 1, 3)
+    assert got[0, 0].tolist() == [256.0, -31.5, 2**-12]
+    assert layer(hidden)[0, 0, 0].item() == 256.0625  # the layer's own forward keeps its fp32 weights
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536)])
+def test_fp16_weight_linear_matches_an_fp32_product_over_rounded_weights(shape):
+    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear
+
+    torch.manual_seed(shape[0])
+    layer = torch.nn.Linear(shape[1], shape[0])
+    hidden = torch.randn(8, 1, shape[1])
+    got = Fp16WeightLinear(layer)(hidden)
+    rounded = torch.nn.functional.linear(hidden.double(), layer.weight.half().double(), layer.bias.double())
+    exact = torch.nn.functional.linear(hidden.double(), layer.weight.double(), layer.bias.double())
+    assert (got.double() - rounded).abs().max() < 1e-5  # fp32 sums over the fp16 weights
+    assert (got.double() - exact).abs().max() > 1e-5  # and not the fp32 weights
+
+
+def _packable_model():
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 300), torch.nn.ReLU(), torch.nn.Linear(300, 8), torch.nn.Linear(8, 8)
+    )
+
+
+def test_fp16_packing_covers_wide_fp32_layers_only_without_gradients_or_autocast_and_only_when_asked():
+    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear, packed_linear_weights
+
+    model = _packable_model()
+
+    def fp16_layers():
+        return [i for i, m in enumerate(model) if isinstance(vars(m).get("forward"), Fp16WeightLinear)]
+
+    with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True):
+        assert fp16_layers() == [0, 2]  # the 8-input layer stays fp32
+        assert model(torch.ones(1, 256)).shape == (1, 8)
+    assert all("forward" not in vars(m) for m in model)
+    with torch.no_grad(), packed_linear_weights(model, rows=2):  # not asked
+        assert fp16_layers() == []
+    with packed_linear_weights(model, rows=2, fp16_weights=True):  # gradients on
+        assert fp16_layers() == []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with packed_linear_weights(model, rows=2, fp16_weights=True):  # bf16 runs keep their own packing
+            assert fp16_layers() == []
+    with pytest.raises(RuntimeError), torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True):
+        assert fp16_layers() == [0, 2]
+        raise RuntimeError("generation failed")
+    assert all("forward" not in vars(m) for m in model)
+
+
+def test_fp16_packing_falls_back_to_fp32_where_fbgemm_cannot_pack(monkeypatch, caplog):
+    from comlrl_trl.adapters import packed_linear
+
+    def refuse(weight, bias):
+        raise RuntimeError("quantized::linear_prepack_fp16 is not supported by the qnnpack engine")
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", refuse)
+    model = _packable_model()
+    with caplog.at_level("WARNING"), torch.no_grad():
+        with packed_linear.packed_linear_weights(model, rows=2, fp16_weights=True):
+            assert all("forward" not in vars(m) for m in model)
+            assert model(torch.ones(1, 256)).shape == (1, 8)
+    assert "with fp32 weights: fbgemm cannot pack" in caplog.text
+
+
+def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path):
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from comlrl_trl.adapters.decoding import lean_decoding
+    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+
+    config = AutoConfig.from_pretrained(qwen_path)
+    config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
+    config.tie_word_embeddings = False  # the head is a Linear of its own; the input embeddings stay fp32
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()  # q, k and v projections with biases
+    rounded = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for mine, theirs in zip(model.modules(), rounded.modules()):
+            if type(mine) is torch.nn.Linear:
+                theirs.weight.copy_(mine.weight.half().float())
+                if mine.bias is not None:
+                    theirs.bias.copy_(mine.bias)
+            elif hasattr(mine, "weight") and not list(mine.children()):
+                theirs.weight.copy_(mine.weight)
+    prompt = torch.tensor([[5, 9, 14, 3, 7]] * 4)
+    settings = dict(do_sample=True, max_new_tokens=12, min_new_tokens=12, top_k=0, output_logits=True)
+
+    def generate(m, fp16: bool):
+        torch.manual_seed(7)
+        with torch.no_grad(), lean_decoding(m), packed_linear_weights(m, rows=4, fp16_weights=fp16):
+            return m.generate(prompt, return_dict_in_generate=True, **settings)
+
+    ours, reference, fp32 = generate(model, True), generate(rounded, False), generate(model, False)
+    assert torch.equal(ours.sequences, reference.sequences)
+    difference = max((a - b).abs().max().item() for a, b in zip(ours.logits, reference.logits))
+    assert difference < 1e-5
+    rounding = max((a - b).abs().max().item() for a, b in zip(ours.logits, fp32.logits))
+    assert rounding > 10 * difference  # the fp32 weights' logits are a rounding away
+
+
+def test_agents_generate_with_fp16_weights_in_fp32_unless_turned_off(make_team, monkeypatch):
+    from comlrl_trl.adapters import packed_linear
+
+    monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
+    calls = []
+    call = packed_linear.Fp16WeightLinear.__call__
+    monkeypatch.setattr(
+        packed_linear.Fp16WeightLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden)
+    )
+    for setting, expected in [({}, True), ({"cpu_fp16_generation_weights": False}, False)]:
+        trainer = make_team(bf16=False, use_cpu=True, **setting)
+        for agent in trainer.agent_trainers:
+            calls.clear()
+            rollout = agent.generate(["Write a story about item 1:"] * 4)
+            assert len(rollout.completion_ids) == 4
+            linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
+            assert (len(calls) >= 2 * linears) if expected else calls == []
+            assert not any("forward" in vars(m) for m in agent.model.modules() if type(m) is torch.nn.Linear)
