@@ -336,3 +336,26 @@ def test_agents_generate_with_fp16_weights_in_fp32_unless_turned_off(make_team, 
             linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
             assert (len(calls) >= 2 * linears) if expected else calls == []
             assert not any("forward" in vars(m) for m in agent.model.modules() if type(m) is torch.nn.Linear)
+
+
+def test_frozen_layers_keep_their_fp16_copy_until_their_weights_change(monkeypatch):
+    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+
+    packs = []
+    prepack = torch.ops.quantized.linear_prepack_fp16
+    monkeypatch.setattr(
+        torch.ops.quantized, "linear_prepack_fp16", lambda weight, bias: packs.append(1) or prepack(weight, bias)
+    )
+    model = _packable_model()
+    model[0].requires_grad_(False)  # a frozen base layer; model[2] stays trainable
+    hidden = torch.ones(1, 256)
+    for call in range(2):
+        with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
+            model(hidden)
+        assert len(packs) == 2 + call  # the frozen layer once, the trainable one at every call
+    with torch.no_grad():
+        model[0].weight.fill_(0.25)  # exact in fp16; a new version of the same storage
+        model[0].bias.zero_()
+    with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
+        assert model[0](hidden)[0, 0].item() == 64.0  # 256 inputs of 1 times 0.25, from the changed weights
+    assert len(packs) == 5
