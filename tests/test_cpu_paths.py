@@ -256,6 +256,14 @@ def test_fp16_packing_covers_wide_fp32_layers_only_without_gradients_or_autocast
     assert all("forward" not in vars(m) for m in model)
     with torch.no_grad(), packed_linear_weights(model, rows=2):  # not asked
         assert fp16_layers() == []
+    with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True, new_tokens=32):
+        assert fp16_layers() == [0, 2]
+    with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True, new_tokens=31):
+        assert fp16_layers() == []  # too short a call to pay for packing trainable weights
+    model[2].requires_grad_(False)
+    with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True, new_tokens=31):
+        assert fp16_layers() == [2]  # a frozen layer is packed once for all calls
+    model[2].requires_grad_(True)
     with packed_linear_weights(model, rows=2, fp16_weights=True):  # gradients on
         assert fp16_layers() == []
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -318,16 +326,18 @@ def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path)
     assert rounding > 10 * difference  # the fp32 weights' logits are a rounding away
 
 
-def test_agents_generate_with_fp16_weights_in_fp32_unless_turned_off(make_team, monkeypatch):
+def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_off(make_team, monkeypatch):
     from comlrl_trl.adapters import packed_linear
 
     monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
+    monkeypatch.setattr(packed_linear, "FP16_MIN_NEW_TOKENS", 8)  # and a call of 8 tokens as long
     calls = []
     call = packed_linear.Fp16WeightLinear.__call__
     monkeypatch.setattr(
         packed_linear.Fp16WeightLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden)
     )
-    for setting, expected in [({}, True), ({"cpu_fp16_generation_weights": False}, False)]:
+    settings = [({}, True), ({"max_new_tokens": 7}, False), ({"cpu_fp16_generation_weights": False}, False)]
+    for setting, expected in settings:
         trainer = make_team(bf16=False, use_cpu=True, **setting)
         for agent in trainer.agent_trainers:
             calls.clear()

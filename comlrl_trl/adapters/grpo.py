@@ -155,7 +155,10 @@ class AgentGRPOTrainer(GRPOTrainer):
             nullcontext()
             if self.use_vllm
             else packed_linear_weights(
-                self.model, rows=len(prompts), fp16_weights=self.args.cpu_fp16_generation_weights
+                self.model,
+                rows=len(prompts),
+                fp16_weights=self.args.cpu_fp16_generation_weights,
+                new_tokens=self.max_completion_length,
             ),
             fused_top_k_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
             nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else sparse_sampling(),
