@@ -27,8 +27,8 @@ Frozen layers (a LoRA model's base) are packed once and kept while their weights
 fp16 copy of the base in memory). Trainable layers change at every update and are packed at every call, which pays
 only for calls of at least `FP16_MIN_NEW_TOKENS` tokens: packing costs about 7 ns per weight, as much as 20 decoding
 steps of 8 rows save. Layers with fewer than `FP16_MIN_IN_FEATURES` inputs stay fp32: their products are too small
-to gain (a tiny test model's 32-wide layers are 5x slower). Where fbgemm is missing (e.g. ARM CPUs), generation runs unpacked, with one
-warning.
+to gain (a tiny test model's 32-wide layers are 5x slower). Where fbgemm is missing (e.g. ARM CPUs), generation
+runs unpacked, with one warning.
 """
 
 import functools
@@ -82,8 +82,14 @@ def fp16_packing_applies(model: nn.Module) -> bool:
 
 
 def _fp16_packable(layer: nn.Linear) -> bool:
+    """A wide fp32 CPU layer whose weights fp16 can hold (beyond 65504 they would become infinite)."""
     weight = layer.weight
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and layer.in_features >= FP16_MIN_IN_FEATURES
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and layer.in_features >= FP16_MIN_IN_FEATURES
+        and bool(weight.detach().abs().amax() <= torch.finfo(torch.float16).max)
+    )
 
 
 class Fp16WeightLinear:
