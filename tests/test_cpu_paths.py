@@ -264,10 +264,11 @@ def test_fp16_packing_covers_wide_fp32_layers_only_without_gradients_or_autocast
     with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True, new_tokens=31):
         assert fp16_layers() == [2]  # a frozen layer is packed once for all calls
     model[2].requires_grad_(True)
-    with torch.no_grad():
-        model[2].weight[3, 7] = 70000.0  # beyond fp16's largest value, 65504: this layer stays fp32
-    with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True):
-        assert fp16_layers() == [0]
+    for beyond in (70000.0, -70000.0):  # beyond fp16's largest magnitude, 65504: this layer stays fp32
+        with torch.no_grad():
+            model[2].weight[3, 7] = beyond
+        with torch.no_grad(), packed_linear_weights(model, rows=2, fp16_weights=True):
+            assert fp16_layers() == [0]
     with torch.no_grad():
         model[2].weight[3, 7] = 0.0
     with packed_linear_weights(model, rows=2, fp16_weights=True):  # gradients on
