@@ -376,3 +376,7 @@ def test_frozen_layers_keep_their_fp16_copy_until_their_weights_change(monkeypat
     with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
         assert model[0](hidden)[0, 0].item() == 64.0  # 256 inputs of 1 times 0.25, from the changed weights
     assert len(packs) == 5
+    model[0].weight = torch.nn.Parameter(torch.full((300, 256), 0.5), requires_grad=False)  # another tensor
+    with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
+        assert model[0](hidden)[0, 0].item() == 128.0
+    assert len(packs) == 7

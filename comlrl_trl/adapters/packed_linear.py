@@ -25,8 +25,8 @@ weights lose their last 13 mantissa bits (a relative rounding of at most 2**-11,
 sampling follows a policy a rounding away from the trained one; the loss and the old log-probabilities stay fp32.
 Frozen layers (a LoRA model's base) are packed once and kept while their weights are unchanged (an
 fp16 copy of the base in memory). Trainable layers change at every update and are packed at every call, which pays
-only for calls of at least `FP16_MIN_NEW_TOKENS` tokens: packing costs about 7 ns per weight, as much as 20 decoding
-steps of 8 rows save. Layers with fewer than `FP16_MIN_IN_FEATURES` inputs stay fp32: their products are too small
+only for calls of at least `FP16_MIN_NEW_TOKENS` tokens: packing costs about 10 ns per weight, as much as 20
+decoding steps of 8 rows save. Layers with fewer than `FP16_MIN_IN_FEATURES` inputs stay fp32: their products are too small
 to gain (a tiny test model's 32-wide layers are 5x slower). Where fbgemm is missing (e.g. ARM CPUs), generation
 runs unpacked, with one warning.
 """
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # inputs on (2-3x at 576 and 1536, 8 rows) and loses on tiny layers (5x slower at 32 inputs).
 FP16_MIN_IN_FEATURES = 256
 # Trainable layers are packed in fp16 only for calls that may decode at least this many tokens: packing SmolLM2-135M
-# takes about 1.2 CPU-s, and fp16 products save about 80 ms per decoding step of 8 rows (16 tokens: no gain).
+# takes 1-2 CPU-s, and fp16 products save about 80 ms per decoding step of 8 rows (16 tokens: no gain).
 FP16_MIN_NEW_TOKENS = 32
 
 
@@ -103,18 +103,25 @@ class Fp16WeightLinear:
 
 
 # The fp16 copies of frozen layers (a LoRA model's base), kept across `generate` calls while their weights are
-# unchanged: layer -> (the weight's and bias's storage and version, the copy).
+# unchanged: layer -> ((a weak reference to each of its weight and bias, with its version), the copy).
 _frozen_fp16 = weakref.WeakKeyDictionary()
 
 
 def _fp16_weights(layer: nn.Linear) -> Fp16WeightLinear:
     """The fp16 copy of `layer`: packed anew for trainable weights (they change at every update), and only once for
-    frozen ones (packing SmolLM2-135M's layers takes about 1 CPU-s, a tenth of a 48-token call)."""
+    frozen ones (packing SmolLM2-135M's layers takes 1-2 CPU-s, about a quarter of a 48-token call of 8 rows). A
+    frozen copy is packed again when a weight or bias is another tensor or was changed in place (its version)."""
     if layer.weight.requires_grad:
         return Fp16WeightLinear(layer)
-    state = tuple((p.data_ptr(), p._version) for p in (layer.weight, layer.bias) if p is not None)
+    params = tuple(p for p in (layer.weight, layer.bias) if p is not None)
     cached = _frozen_fp16.get(layer)
-    if cached is None or cached[0] != state:
+    unchanged = (
+        cached is not None
+        and len(cached[0]) == len(params)
+        and all(ref() is p and version == p._version for (ref, version), p in zip(cached[0], params))
+    )
+    if not unchanged:
+        state = tuple((weakref.ref(p), p._version) for p in params)
         cached = _frozen_fp16[layer] = (state, Fp16WeightLinear(layer))
     return cached[1]
 

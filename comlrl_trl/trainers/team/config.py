@@ -145,10 +145,11 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             activations and sums; `comlrl_trl/adapters/packed_linear.py`). Decoding reads the weights at every
             token, and fp32 products of a few rows read them slowly: SmolLM2-135M generated 48 tokens with 31%
             less CPU time on an AVX2 CPU, packing included. Trainable weights are packed only for calls of at least
-            32 new tokens (packing costs what about 20 decoding steps save); frozen ones (a LoRA base) once. Sampling then follows weights a rounding
-            of at most 2**-11 away from the trained ones (bf16 runs round to 2**-8); the loss, the old
-            log-probabilities and evaluation scores are computed as before. Layers with fewer than 256 inputs stay
-            fp32. `False`: generation in fp32, token for token transformers' own.
+            32 new tokens (packing costs what about 20 decoding steps save); frozen ones (a LoRA base) once, kept
+            in memory as an fp16 copy. Sampling then follows weights a rounding of at most 2**-11 away from the
+            trained ones (bf16 runs round to 2**-8); the loss, the old log-probabilities and evaluation scores are
+            computed as before. Layers with fewer than 256 inputs stay fp32. `False`: generation in fp32, token for
+            token transformers' own.
 
         > Parameters that control evaluation and logging
 
