@@ -380,3 +380,20 @@ def test_frozen_layers_keep_their_fp16_copy_until_their_weights_change(monkeypat
     with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
         assert model[0](hidden)[0, 0].item() == 128.0
     assert len(packs) == 7
+
+
+def test_a_frozen_layer_beyond_fp16_range_stays_fp32_and_is_checked_once_while_unchanged(monkeypatch):
+    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear, packed_linear_weights
+
+    checks = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda tensor: checks.append(1) or aminmax(tensor))
+    model = _packable_model()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        model[0].weight[0, 0] = -70000.0  # beyond fp16's largest magnitude, 65504
+    for _ in range(2):
+        with torch.no_grad(), packed_linear_weights(model, rows=1, fp16_weights=True):
+            assert "forward" not in vars(model[0])
+            assert isinstance(vars(model[2]).get("forward"), Fp16WeightLinear)
+    assert len(checks) == 2  # layers 0 and 2, at the first call only: the frozen weights did not change

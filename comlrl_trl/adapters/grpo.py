@@ -143,10 +143,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
         outputs, on one thread to the bit; 12% less time); in fp32 with `cpu_fp16_generation_weights`, with their
         weights rounded to fp16 (a rounding away from the fp32 outputs; 31% less time at 48 tokens). Top-k and top-p
-        filtering work on the tokens top-k keeps (`adapters/sampling.py`), sampling draws only for the tokens top-k kept (`adapters/multinomial.py`) and the
-        decoding steps of Llama and Qwen2 models skip the Python between their operations (`adapters/decoding.py`),
-        keeping the same tokens and random state as transformers and torch (on a GPU the full sort and draw are
-        cheap, and the checks would wait for the device at every token).
+        filtering work on the tokens top-k keeps (`adapters/sampling.py`), sampling draws only for the tokens top-k
+        kept (`adapters/multinomial.py`) and the decoding steps of Llama and Qwen2 models skip the Python between
+        their operations (`adapters/decoding.py`), keeping the same tokens and random state as transformers and torch
+        (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token).
         """
         with (
             self.accelerator.autocast(),

@@ -26,9 +26,9 @@ sampling follows a policy a rounding away from the trained one; the loss and the
 Frozen layers (a LoRA model's base) are packed once and kept while their weights are unchanged (an
 fp16 copy of the base in memory). Trainable layers change at every update and are packed at every call, which pays
 only for calls of at least `FP16_MIN_NEW_TOKENS` tokens: packing costs about 10 ns per weight, as much as 20
-decoding steps of 8 rows save. Layers with fewer than `FP16_MIN_IN_FEATURES` inputs stay fp32: their products are too small
-to gain (a tiny test model's 32-wide layers are 5x slower). Where fbgemm is missing (e.g. ARM CPUs), generation
-runs unpacked, with one warning.
+decoding steps of 8 rows save. Layers with fewer than `FP16_MIN_IN_FEATURES` inputs stay fp32: their products are
+too small to gain (a tiny test model's 32-wide layers are 5x slower). So do layers with a weight beyond fp16's
+range. Where fbgemm is missing (e.g. ARM CPUs), generation runs unpacked, with one warning.
 """
 
 import functools
@@ -54,13 +54,8 @@ FP16_MIN_NEW_TOKENS = 32
 
 
 @functools.cache
-def _warn_once(reason: str) -> None:
-    logger.warning("Generating without packed bf16 weights: oneDNN cannot pack them here (%s).", reason)
-
-
-@functools.cache
-def _warn_once_fp16(reason: str) -> None:
-    logger.warning("Generating with fp32 weights: fbgemm cannot pack fp16 weights here (%s).", reason)
+def _warn_once(message: str, reason: str) -> None:
+    logger.warning("%s (%s).", message, reason)
 
 
 def packing_applies(model: nn.Module) -> bool:
@@ -82,13 +77,9 @@ def fp16_packing_applies(model: nn.Module) -> bool:
 
 
 def _fp16_packable(layer: nn.Linear) -> bool:
-    """A wide fp32 CPU layer whose weights fp16 can hold (beyond +-65504 they would be clamped)."""
+    """A wide fp32 CPU layer (whether fp16 can hold its weights is checked when it is packed, `_fp16_copy`)."""
     weight = layer.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or layer.in_features < FP16_MIN_IN_FEATURES:
-        return False
-    low, high = torch.aminmax(weight.detach())  # one pass, no copy (abs() would copy 135M weights per call)
-    limit = torch.finfo(torch.float16).max
-    return -limit <= low.item() and high.item() <= limit
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and layer.in_features >= FP16_MIN_IN_FEATURES
 
 
 class Fp16WeightLinear:
@@ -102,17 +93,26 @@ class Fp16WeightLinear:
         return torch.ops.quantized.linear_dynamic_fp16(hidden, self.packed)
 
 
+def _fp16_copy(layer: nn.Linear) -> "Fp16WeightLinear | None":
+    """`layer`'s fp16 copy, or None where a weight lies beyond fp16's range (+-65504, it would be clamped): the layer
+    then stays fp32."""
+    low, high = torch.aminmax(layer.weight.detach())  # one pass, no copy (abs() would copy every weight)
+    limit = torch.finfo(torch.float16).max
+    return Fp16WeightLinear(layer) if -limit <= low.item() and high.item() <= limit else None
+
+
 # The fp16 copies of frozen layers (a LoRA model's base), kept across `generate` calls while their weights are
-# unchanged: layer -> ((a weak reference to each of its weight and bias, with its version), the copy).
+# unchanged: layer -> ((a weak reference to each of its weight and bias, with its version), the copy or None).
 _frozen_fp16 = weakref.WeakKeyDictionary()
 
 
-def _fp16_weights(layer: nn.Linear) -> Fp16WeightLinear:
-    """The fp16 copy of `layer`: packed anew for trainable weights (they change at every update), and only once for
-    frozen ones (packing SmolLM2-135M's layers takes 1-2 CPU-s, about a quarter of a 48-token call of 8 rows). A
-    frozen copy is packed again when a weight or bias is another tensor or was changed in place (its version)."""
+def _fp16_weights(layer: nn.Linear) -> "Fp16WeightLinear | None":
+    """The fp16 copy of `layer` (`_fp16_copy`): made anew for trainable weights (they change at every update), and
+    only once for frozen ones (packing SmolLM2-135M's layers takes 1-2 CPU-s, about a quarter of a 48-token call of
+    8 rows). A frozen copy is made again when a weight or bias is another tensor or was changed in place (its
+    version)."""
     if layer.weight.requires_grad:
-        return Fp16WeightLinear(layer)
+        return _fp16_copy(layer)
     params = tuple(p for p in (layer.weight, layer.bias) if p is not None)
     cached = _frozen_fp16.get(layer)
     unchanged = (
@@ -122,7 +122,7 @@ def _fp16_weights(layer: nn.Linear) -> Fp16WeightLinear:
     )
     if not unchanged:
         state = tuple((weakref.ref(p), p._version) for p in params)
-        cached = _frozen_fp16[layer] = (state, Fp16WeightLinear(layer))
+        cached = _frozen_fp16[layer] = (state, _fp16_copy(layer))
     return cached[1]
 
 
@@ -151,9 +151,10 @@ def packed_linear_weights(model: nn.Module, rows: int, fp16_weights: bool = Fals
     """
     candidates = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and m.weight.numel()]
     if packing_applies(model):
-        pack, warn = (lambda layer: PackedLinear(layer, rows)), _warn_once
+        pack = functools.partial(PackedLinear, rows=rows)
+        failure = "Generating without packed bf16 weights: oneDNN cannot pack them here"
     elif fp16_weights and fp16_packing_applies(model):
-        pack, warn = _fp16_weights, _warn_once_fp16
+        pack, failure = _fp16_weights, "Generating with fp32 weights: fbgemm cannot pack fp16 weights here"
         long_call = new_tokens is None or new_tokens >= FP16_MIN_NEW_TOKENS
         candidates = [m for m in candidates if _fp16_packable(m) and (long_call or not m.weight.requires_grad)]
     else:
@@ -162,13 +163,13 @@ def packed_linear_weights(model: nn.Module, rows: int, fp16_weights: bool = Fals
     try:
         packed = [pack(layer) for layer in candidates]
     except RuntimeError as error:  # oneDNN limited to an instruction set without bf16 (ONEDNN_MAX_CPU_ISA), no fbgemm
-        warn(str(error))
+        _warn_once(failure, str(error))
         packed = []
-    layers = candidates[: len(packed)]
-    for layer, forward in zip(layers, packed):
+    replaced = [(layer, forward) for layer, forward in zip(candidates, packed) if forward is not None]
+    for layer, forward in replaced:
         layer.forward = forward
     try:
         yield
     finally:
-        for layer in layers:
+        for layer, _ in replaced:
             del layer.forward
