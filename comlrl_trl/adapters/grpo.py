@@ -38,6 +38,7 @@ from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_s
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
 from .sampling import fused_top_k_top_p
+from .shared_prompt import SharedPromptModel, shares_prompts
 
 
 logger = logging.get_logger(__name__)
@@ -366,6 +367,8 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._ratio_for = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._shares_prompts(model, args, kwargs):
+            model = SharedPromptModel(model, prompt_length=input_ids.size(1) - logits_to_keep)
         with _cpu_head():
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -374,6 +377,19 @@ class AgentGRPOTrainer(GRPOTrainer):
         if inputs is not None:  # the first forward of `policy_loss`: the policy's own log-probabilities
             inputs["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), inputs)
         return out
+
+    def _shares_prompts(self, model, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether the log-probability forward runs each distinct prompt of a chunk once (`adapters/shared_prompt.py`):
+        text only, and one process without DeepSpeed or FSDP, whose wrappers are left as TRL calls them."""
+        inputs = {key: value for key, value in kwargs.items() if key not in ("batch_size", "compute_entropy")}
+        return (
+            not args
+            and all(value is None or value is False for value in inputs.values())
+            and self.accelerator.num_processes == 1
+            and not self.is_deepspeed_enabled
+            and not self.is_fsdp_enabled
+            and shares_prompts(model)
+        )
 
     def _sampling_correction(self, trainer_logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's importance-sampling ratio of a micro-batch from the trainer's log-probabilities, with its metrics."""
