@@ -83,7 +83,9 @@ def main() -> None:
         unpacked, packed = statistics.median(times[False]), statistics.median(times[True])
         row = dict(prompt=prompt, completion=completion, distinct=distinct, unpacked_s=unpacked, packed_s=packed)
         rows.append(row | {"speed_up": unpacked / packed})
-        print(f"{prompt:>6} {completion:>10} {distinct:>8} {unpacked:>10.2f} {packed:>8.2f} {unpacked / packed:>7.2f}x")
+        print(
+            f"{prompt:>6} {completion:>10} {distinct:>8} {unpacked:>10.2f} {packed:>8.2f} {unpacked / packed:>7.2f}x"
+        )
     shared_prompt.MIN_SAVED_WORK = default
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "threads": 1, "model": "SmolLM2-135M"}, indent=2))
