@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --model tiny              # N=2, K=4, 16 new tokens, defaults, 8 items
     python benchmarks/profile_step.py --model smollm2 --items 4
     python benchmarks/profile_step.py --model tiny --set bf16=false --set per_device_train_batch_size=4
+    python benchmarks/profile_step.py --model smollm2 --items 4 --tokens 64 --preamble 12   # prompts of ~160 tokens
 
 Trains one epoch with the documented defaults (plus any `--set field=value`) on one thread and prints the CPU time
 of every phase: generation (the agents' `generate` calls, tokenisation and decoding included), scoring (joint
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=8)
     parser.add_argument("--agents", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens")
+    parser.add_argument(
+        "--preamble", type=int, default=0, metavar="N", help="start every prompt with the same N-sentence preamble"
+    )
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a MAGRPOConfig field")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions")
@@ -141,7 +145,8 @@ def main() -> None:
         disable_tqdm=True,
         **{key: parse_value(value) for key, value in overrides.items()},
     )
-    prompts = [f"Task {i}: write a short note about topic number {i}." for i in range(args.items)]
+    preamble = "".join(f"Rule {j}: keep the note about topic {j} friendly. " for j in range(args.preamble))
+    prompts = [f"{preamble}Task {i}: write a short note about topic number {i}." for i in range(args.items)]
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = MAGRPOTrainer(
         agent_model=model,
