@@ -102,6 +102,19 @@ def _logps_entropy_grads(method, agent, ids, mask, completion):
     return logps.detach(), entropy.detach(), grads
 
 
+def _model_calls(agent, monkeypatch) -> list[tuple[int, int]]:
+    """The shapes of `input_ids` the agent's model is called with, from now on."""
+    shapes = []
+    forward = agent.model.forward
+
+    def spy(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(agent.model, "forward", spy)
+    return shapes
+
+
 @pytest.fixture
 def make_agent(make_config, prompts_dataset):
     """Agent 0 of a two-agent team of the tiny model at `path`."""
@@ -136,18 +149,11 @@ def test_values_and_gradients_are_trls(kind, make_agent, qwen_path, llama_path, 
         return out
 
     monkeypatch.setattr(SharedPromptModel, "__call__", spy)
-    forward = agent.model.forward
-    packed_lengths = []
-
-    def model_spy(*args, **kwargs):
-        packed_lengths.append(kwargs["input_ids"].shape)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(agent.model, "forward", model_spy)
+    packed_lengths = _model_calls(agent, monkeypatch)
     ours = _logps_entropy_grads(type(agent)._get_per_token_logps_and_entropies, agent, ids, mask, completion)
     assert shapes == [((4, 14), (4, 5))]
     # One call on one packed row: the two prompts' first 8 and 5 real tokens, then 4 rows of 1 + 5 tokens.
-    assert packed_lengths == [torch.Size([1, 8 + 5 + 4 * 6])]
+    assert packed_lengths == [(1, 8 + 5 + 4 * 6)]
     theirs = _logps_entropy_grads(GRPOTrainer._get_per_token_logps_and_entropies, agent, ids, mask, completion)
     torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=atol)
     torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=atol)
@@ -159,26 +165,16 @@ def test_values_and_gradients_are_trls(kind, make_agent, qwen_path, llama_path, 
         torch.testing.assert_close(ours[2][name], grad, rtol=0, atol=scale * grad.abs().max().item(), msg=name)
 
 
-def _model_calls(agent, monkeypatch) -> list[tuple[int, int]]:
-    """The shapes of `input_ids` the agent's model is called with, from now on."""
-    shapes = []
-    forward = agent.model.forward
-
-    def spy(*args, **kwargs):
-        shapes.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(agent.model, "forward", spy)
-    return shapes
-
-
 def test_a_tiny_model_is_not_packed_at_the_default_threshold(make_agent, qwen_path, monkeypatch):
-    # The tiny model saves a few thousand multiply-adds, far below the Python a packed call costs.
+    # The tiny model saves a few thousand multiply-adds, far below the Python a packed call costs; even with every
+    # prompt token shared it could not save enough, so no pack is built either.
     agent = make_agent(qwen_path)
     ids, mask, completion = _rows(agent.model)
     calls = _model_calls(agent, monkeypatch)
+    packs = []
+    monkeypatch.setattr(PackedRows, "__init__", lambda self, *args: packs.append(args))
     agent._get_per_token_logps_and_entropies(agent.model, ids, mask, completion)
-    assert calls == [(4, 14)]
+    assert calls == [(4, 14)] and packs == []
 
 
 @pytest.mark.parametrize("change", ["image inputs", "deepspeed", "several processes"])

@@ -31,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .helpers import zero_sharded
+from .helpers import full_sdpa_attention, transformers_model, zero_sharded
 
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
@@ -63,9 +63,7 @@ def lean_decoding_applies(model: nn.Module) -> bool:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
     return (
         not _global_hooks()
-        and getattr(config, "_attn_implementation", None) == "sdpa"
-        and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-        and not getattr(inner, "has_sliding_layers", False)
+        and full_sdpa_attention(config, inner)
         and not any(module._forward_hooks or module._forward_pre_hooks for module in projections + norms)
         and not zero_sharded(model)
     )
@@ -80,8 +78,7 @@ def _global_hooks() -> bool:
 def lean_decoding(model: nn.Module) -> Iterator[None]:
     """Inside the block, `model`'s decoding steps run through `_decoding_step` where `lean_decoding_applies`; its
     `forward` is back afterwards, also after an error."""
-    if hasattr(model, "get_base_model"):  # PEFT: its generate runs the transformers model's forward
-        model = model.get_base_model()
+    model = transformers_model(model)  # PEFT: its generate runs the transformers model's forward
     if not lean_decoding_applies(model):
         yield
         return

@@ -29,6 +29,8 @@ import functools
 import torch
 from torch import nn
 
+from .helpers import full_sdpa_attention, transformers_model
+
 
 # Decoder layers whose forward takes a 4-D attention mask as given and explicit positions (transformers 5).
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -38,25 +40,16 @@ MIN_SAVED_WORK = 1e8
 _IGNORED = -100  # TRL's label of a position that is not scored
 
 
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model of `model` (a PEFT model's base model)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def shares_prompts(model: nn.Module) -> bool:
     """Whether `SharedPromptModel` may run `model`'s scoring forward packed (see the module docstring)."""
-    inner = causal_lm(model)
+    inner = transformers_model(model)
     backbone = getattr(inner, "base_model", None)
     layers = getattr(backbone, "layers", None)
     config = getattr(inner, "config", None)
     if backbone is None or backbone is inner or not layers or config is None:
         return False
-    return (
-        all(type(layer).__name__ in _LAYERS for layer in layers)
-        and getattr(config, "_attn_implementation", None) == "sdpa"  # a boolean mask (eager adds its mask)
-        and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-        and not getattr(backbone, "has_sliding_layers", False)
-    )
+    # SDPA takes the boolean mask as given; eager attention would add it.
+    return all(type(layer).__name__ in _LAYERS for layer in layers) and full_sdpa_attention(config, backbone)
 
 
 def packing_pays(rows: int, length: int, packed: int, layer_parameters: int, width: int, layers: int) -> bool:
@@ -136,18 +129,17 @@ class SharedPromptModel:
 
     def __init__(self, model: nn.Module, prompt_length: int):
         self.model, self.prompt_length = model, prompt_length
-        inner = causal_lm(model)
+        inner = transformers_model(model)
         config = inner.config
-        self.width, self.layers = config.hidden_size, config.num_hidden_layers
-        self.layer_parameters = sum(p.numel() for p in inner.base_model.layers.parameters())
+        self.size = dict(
+            layer_parameters=sum(p.numel() for p in inner.base_model.layers.parameters()),
+            width=config.hidden_size,
+            layers=config.num_hidden_layers,
+        )
 
     def __call__(self, *, input_ids, attention_mask, labels, **kwargs):
-        prefix = self.prompt_length - 1  # the last prompt token is run with its row: its output scores token 1
-        if kwargs.keys() != {"fused_lm_head"} or not kwargs["fused_lm_head"] or prefix < 1:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-        pack = PackedRows(input_ids, attention_mask, prefix)
-        rows, length = input_ids.shape
-        if not packing_pays(rows, length, len(pack), self.layer_parameters, self.width, self.layers):
+        pack = self._pack(input_ids, attention_mask, kwargs)
+        if pack is None:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
         out = self.model(
             input_ids=pack.input_ids[None],
@@ -157,3 +149,16 @@ class SharedPromptModel:
             **kwargs,
         )
         return type(out)(log_probs=pack.unpack(out.log_probs), entropy=pack.unpack(out.entropy))
+
+    def _pack(self, input_ids, attention_mask, kwargs: dict) -> PackedRows | None:
+        """The chunk packed, or None where the model runs the rows as TRL calls it: a call other than TRL's fused
+        head's, no prompt token to share, or too little work saved (`packing_pays`)."""
+        prefix = self.prompt_length - 1  # the last prompt token is run with its row: its output scores token 1
+        if kwargs.keys() != {"fused_lm_head"} or not kwargs["fused_lm_head"] or prefix < 1:
+            return None
+        rows, length = input_ids.shape
+        pays = functools.partial(packing_pays, rows, length, **self.size)
+        if not pays(rows * (length - prefix)):  # no pack is shorter than the rows' own tokens: none is built
+            return None
+        pack = PackedRows(input_ids, attention_mask, prefix)
+        return pack if pays(len(pack)) else None
