@@ -95,6 +95,8 @@ def main(output_dir: str, url: str, model_path: str) -> None:
     served_after_close = [m["id"] for m in answer["data"] if m["parent"]]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"ranks": everyone, "served_after_close": served_after_close}))
+    dist.barrier()
+    dist.destroy_process_group()  # gloo's threads stopped before exit (left running, a rank aborted at teardown)
 
 
 if __name__ == "__main__":
