@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from .call_overheads import fewer_fixed_costs
 from .cpu_logprob import CpuChunkedLogProb
 from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
@@ -147,11 +148,14 @@ class AgentGRPOTrainer(GRPOTrainer):
         filtering work on the tokens top-k keeps (`adapters/sampling.py`), sampling draws only for the tokens top-k
         kept (`adapters/multinomial.py`) and the decoding steps of Llama and Qwen2 models skip the Python between
         their operations (`adapters/decoding.py`), keeping the same tokens and random state as transformers and torch
-        (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token).
+        (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token). Logits
+        processors are inspected once per class, and Accelerate's DeepSpeed check reads no metadata
+        (`adapters/call_overheads.py`).
         """
         with (
             self.accelerator.autocast(),
             torch.no_grad(),
+            fewer_fixed_costs(),
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
             nullcontext()
             if self.use_vllm
