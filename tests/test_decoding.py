@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from comlrl_trl.adapters import decoding
 from comlrl_trl.adapters.decoding import lean_decoding, lean_decoding_applies
@@ -21,20 +21,23 @@ def model_and_tokenizer(request):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
 
 
-def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, **settings):
+def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, stopping_criteria=None, **settings):
     prompts = ["Write a story about item 3:", "Hi", "Tell me", "Write a story about item 12 and more:"]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)  # left padding of different lengths
-    config = GenerationConfig(
-        max_new_tokens=12,
-        do_sample=True,
-        temperature=0.7,
-        top_k=20,
-        top_p=0.9,
-        pad_token_id=tokenizer.pad_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
+    settings = {
+        "max_new_tokens": 12,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
+        "pad_token_id": tokenizer.pad_token_id,
+        "output_logits": True,
+        "return_dict_in_generate": True,
         **settings,
-    )
+    }
+    if not settings["do_sample"]:
+        settings.update(temperature=None, top_k=None, top_p=None)
+    config = GenerationConfig(**settings)
     bf16 = precision == "bf16"
     with (
         torch.no_grad(),
@@ -43,22 +46,25 @@ def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, **set
         lean_decoding(model) if lean else contextlib.nullcontext(),
     ):
         torch.manual_seed(seed)
-        out = model.generate(**encoded, generation_config=config)
+        out = model.generate(**encoded, generation_config=config, stopping_criteria=stopping_criteria)
     return out.sequences, torch.stack(out.logits), torch.get_rng_state()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_generations_and_logits_are_the_models_own_bit_for_bit(model_and_tokenizer, precision, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    steps = []
-    step = decoding._decoding_step
+    steps, loops = [], []
+    step, loop = decoding._decoding_step, decoding._sampling_loop
     monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(1) or step(*args))
+    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
     for seed in (0, 1):
         theirs = _generate(model, tokenizer, lean=False, precision=precision, seed=seed, min_new_tokens=12)
-        assert steps == []
+        assert steps == [] and loops == []
         ours = _generate(model, tokenizer, lean=True, precision=precision, seed=seed, min_new_tokens=12)
         assert len(steps) == 11  # every step after the prompt's
+        assert len(loops) == 1  # through our sampling loop
         steps.clear()
+        loops.clear()
         for mine, reference in zip(ours, theirs):
             assert torch.equal(mine, reference)  # tokens, every step's logits, the random state after
         assert ours[0].shape[1] > 12
@@ -77,9 +83,12 @@ def test_rows_that_end_early_are_padded_as_by_the_model(model_and_tokenizer):
 def test_the_models_forward_is_back_after_the_block_and_after_an_error(model_and_tokenizer):
     model, _ = model_and_tokenizer
     assert "forward" not in vars(model)
+    assert "_sample" not in vars(type(model))  # transformers' loop, inherited from GenerationMixin
     with lean_decoding(model):
         assert "forward" in vars(model)
+        assert "_sample" in vars(type(model))
     assert "forward" not in vars(model)
+    assert "_sample" not in vars(type(model))
     own = model.forward.__func__.__get__(model)  # a forward set on the instance (as TRL's fused head does)
     model.forward = own
     try:
@@ -87,8 +96,61 @@ def test_the_models_forward_is_back_after_the_block_and_after_an_error(model_and
             assert model.forward is not own
             raise RuntimeError("boom")
         assert model.forward is own
+        assert "_sample" not in vars(type(model))
     finally:
         del model.forward
+
+
+class _RecordsScores(StoppingCriteria):
+    """A user's stopping criterion: stops a row at token 7, and records the scores argument it is handed."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(None if scores is None else len(scores))
+        return input_ids[:, -1] == 7
+
+
+@pytest.mark.parametrize("keep_scores", [False, True])
+def test_greedy_search_scores_and_a_users_criterion_are_as_in_transformers_loop(
+    model_and_tokenizer, keep_scores, monkeypatch
+):
+    model, tokenizer = model_and_tokenizer
+    loops = []
+    loop = decoding._sampling_loop
+    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
+    results = []
+    for lean in (False, True):
+        criterion = _RecordsScores()
+        sequences, logits, state = _generate(
+            model,
+            tokenizer,
+            lean=lean,
+            precision="fp32",
+            do_sample=False,
+            output_scores=keep_scores,
+            stopping_criteria=StoppingCriteriaList([criterion]),
+        )
+        results.append((sequences, logits, state, criterion.seen))
+    (ours, theirs) = results[1], results[0]
+    assert loops == [1]
+    for mine, reference in zip(ours[:3], theirs[:3]):
+        assert torch.equal(mine, reference)
+    assert ours[3] == theirs[3]  # the criterion saw the same argument at every step
+    assert theirs[3] == (list(range(1, len(theirs[3]) + 1)) if keep_scores else [None] * len(theirs[3]))
+
+
+def test_generations_with_hidden_states_keep_transformers_loop(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    loops = []
+    loop = decoding._sampling_loop
+    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
+    theirs = _generate(model, tokenizer, lean=False, precision="fp32", output_hidden_states=True)
+    ours = _generate(model, tokenizer, lean=True, precision="fp32", output_hidden_states=True)
+    assert loops == []
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
 
 
 class _Stepped(Exception):
@@ -145,11 +207,13 @@ def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, 
         ]
         return rows, [[p.detach().clone() for p in agent.model.parameters()] for agent in trainer.agent_trainers]
 
-    steps = []
-    step = decoding._decoding_step
+    steps, loops = [], []
+    step, loop = decoding._decoding_step, decoding._sampling_loop
     monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(args[0]) or step(*args))
+    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(args[0]) or loop(*args))
     ours = train(lean=True)
     assert len({id(model) for model in steps}) == 2  # both agents decoded through it
+    assert {id(model) for model in loops} == {id(model) for model in steps}  # in our sampling loop
     theirs = train(lean=False)
     assert ours[0] == theirs[0]  # the same rewards, losses and metrics at every step
     for mine, reference in zip(ours[1], theirs[1]):

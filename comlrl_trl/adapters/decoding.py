@@ -13,6 +13,15 @@ additions, the MLP, and the final norm and head. The values are the model's own,
 without (`tests/test_decoding.py` compares whole generations and random states); what is left out is the Python
 between them. Every other call (the prompt's forward, anything with other arguments) is the model's own forward.
 
+The sampling loop around the steps (`_sampling_loop`, in place of transformers' `_sample` for this model) prepares
+each step's inputs directly: the last token, the next position (and the attention mask grown by one column), the
+cache, without `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the model call in between;
+the logits processors, the draw, the end-of-sequence padding and the stopping criteria are transformers' own, in
+its order. It runs where a step of the loop is always a `_decoding_step`: sampling or greedy search of a
+decoder-only model from an empty `DynamicCache`, no streamer, no synchronised GPUs, no returned attentions or
+hidden states, no other model arguments; anywhere else, transformers' loop. On the tiny test model this saves a
+tenth of a `generate` call.
+
 Applies only to models whose layers are exactly transformers' `LlamaDecoderLayer` or `Qwen2DecoderLayer` (SmolLM2,
 Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, no forward hooks on the modules it
 calls through `forward` (user hooks; a hook would be skipped), and not to parameters DeepSpeed shards. A PEFT model
@@ -27,6 +36,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -36,6 +46,8 @@ from .helpers import full_sdpa_attention, transformers_model, zero_sharded
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+# The model arguments `_sampling_loop` prepares; any other in a `generate` call makes the loop transformers' own.
+_LOOP_ARGUMENTS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
 # The arguments `generate` passes at a decoding step; any other makes the step the model's own forward.
 _STEP_ARGUMENTS = {
     "input_ids",
@@ -94,6 +106,37 @@ def lean_decoding(model: nn.Module) -> Iterator[None]:
         )
 
     model.forward = forward
+    owner = type(model)  # transformers looks its decoding loop up on the class
+    own_sample = "_sample" in vars(owner)
+    original_sample = owner._sample
+
+    @functools.wraps(original_sample)  # generate inspects its signature
+    def sample(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
+        if self is model and _loop_applies(self, generation_config, synced_gpus, streamer, model_kwargs):
+            return _sampling_loop(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
+            )
+        return original_sample(
+            self,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus,
+            streamer,
+            **model_kwargs,
+        )
+
+    owner._sample = sample
     try:
         yield
     finally:
@@ -101,6 +144,10 @@ def lean_decoding(model: nn.Module) -> Iterator[None]:
             model.forward = original
         else:
             del model.forward
+        if own_sample:
+            owner._sample = original_sample
+        else:
+            del owner._sample
 
 
 def _is_decoding_step(kwargs: dict) -> bool:
@@ -116,6 +163,82 @@ def _is_decoding_step(kwargs: dict) -> bool:
         and cache.get_seq_length() > 0
         and (mask is None or mask.dim() == 2)
         and kwargs.get("logits_to_keep", 0) in (0, 1)  # both keep the one position there is
+    )
+
+
+def _loop_applies(model: nn.Module, generation_config, synced_gpus: bool, streamer, model_kwargs: dict) -> bool:
+    """Whether every step of transformers' `_sample` loop on these arguments would be a `_decoding_step`."""
+    cache, mask = model_kwargs.get("cache"), model_kwargs.get("attention_mask")
+    returns_dict = generation_config.return_dict_in_generate
+    return (
+        not synced_gpus
+        and streamer is None
+        and not model.config.is_encoder_decoder
+        and not getattr(generation_config, "is_assistant", False)
+        and not (returns_dict and (generation_config.output_attentions or generation_config.output_hidden_states))
+        and model_kwargs.keys() <= _LOOP_ARGUMENTS
+        and model_kwargs.get("use_cache", False)
+        and type(cache) is DynamicCache
+        and cache.get_seq_length() == 0
+        and (mask is None or mask.dim() == 2)
+        and model_kwargs.get("logits_to_keep", 0) in (0, 1)
+        and not model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    )
+
+
+def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
+    """transformers' `_sample` (sampling or greedy search) where `_loop_applies`: the prompt's forward through
+    transformers' `_prefill`, then one `_decoding_step` per new token, with the inputs transformers would prepare."""
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores, raw_logits = [], []
+    unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+    cache, mask = model_kwargs["cache"], model_kwargs.get("attention_mask")
+    position_ids = model_kwargs.get("position_ids")
+    position_ids = None if position_ids is None else position_ids[..., -1:]
+    with model._optimize_model_for_decode():
+        while True:
+            next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+            next_token_scores = logits_processor(input_ids, next_token_logits)
+            if keep_scores:
+                scores.append(next_token_scores)
+            if keep_logits:
+                raw_logits.append(next_token_logits)
+            if generation_config.do_sample:
+                probs = nn.functional.softmax(next_token_scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                next_tokens = torch.argmax(next_token_scores, dim=-1)
+            if has_eos_stopping_criteria:
+                next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            # transformers hands the criteria its tuple of kept scores (None when none are kept), not this step's.
+            kept = tuple(scores) if keep_scores else None
+            unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, kept)
+            if unfinished_sequences.max() == 0:
+                break
+            del outputs
+            outputs = _decoding_step(model, input_ids[:, -1:].clone(), mask, position_ids, cache)
+            # What `_update_model_kwargs_for_generation` and `prepare_inputs_for_generation` hand the next step.
+            if position_ids is not None:
+                position_ids = position_ids + 1
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return GenerateDecoderOnlyOutput(
+        sequences=input_ids,
+        scores=tuple(scores) if keep_scores else None,
+        logits=tuple(raw_logits) if keep_logits else None,
+        attentions=None,
+        hidden_states=None,
+        cache=cache,
     )
 
 
