@@ -53,18 +53,20 @@ def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, stopp
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_generations_and_logits_are_the_models_own_bit_for_bit(model_and_tokenizer, precision, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    steps, loops = [], []
-    step, loop = decoding._decoding_step, decoding._sampling_loop
+    steps, loops, prefills = [], [], []
+    step, loop, prefill = decoding._decoding_step, decoding._sampling_loop, decoding._lean_prefill
     monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(1) or step(*args))
     monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
+    monkeypatch.setattr(decoding, "_lean_prefill", lambda *args: prefills.append(1) or prefill(*args))
     for seed in (0, 1):
         theirs = _generate(model, tokenizer, lean=False, precision=precision, seed=seed, min_new_tokens=12)
-        assert steps == [] and loops == []
+        assert steps == [] and loops == [] and prefills == []
         ours = _generate(model, tokenizer, lean=True, precision=precision, seed=seed, min_new_tokens=12)
         assert len(steps) == 11  # every step after the prompt's
-        assert len(loops) == 1  # through our sampling loop
+        assert len(loops) == 1 and len(prefills) == 1  # through our sampling loop, the prompt's forward too
         steps.clear()
         loops.clear()
+        prefills.clear()
         for mine, reference in zip(ours, theirs):
             assert torch.equal(mine, reference)  # tokens, every step's logits, the random state after
         assert ours[0].shape[1] > 12
@@ -242,3 +244,16 @@ def test_lora_models_decode_through_their_transformers_model_bit_for_bit(model_a
             assert torch.equal(mine, reference)
     assert len(steps) == 22 and all(m is lora.get_base_model() for m in steps)
     assert "forward" not in vars(lora.get_base_model())
+
+
+def test_a_chunked_prompt_runs_transformers_prefill_and_then_our_loop(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    loops, prefills = [], []
+    loop, prefill = decoding._sampling_loop, decoding._lean_prefill
+    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
+    monkeypatch.setattr(decoding, "_lean_prefill", lambda *args: prefills.append(1) or prefill(*args))
+    theirs = _generate(model, tokenizer, lean=False, precision="fp32", prefill_chunk_size=3)
+    ours = _generate(model, tokenizer, lean=True, precision="fp32", prefill_chunk_size=3)
+    assert loops == [1] and prefills == []
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)

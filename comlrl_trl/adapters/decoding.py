@@ -187,8 +187,9 @@ def _loop_applies(model: nn.Module, generation_config, synced_gpus: bool, stream
 
 
 def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
-    """transformers' `_sample` (sampling or greedy search) where `_loop_applies`: the prompt's forward through
-    transformers' `_prefill`, then one `_decoding_step` per new token, with the inputs transformers would prepare."""
+    """transformers' `_sample` (sampling or greedy search) where `_loop_applies`: the prompt's forward (`_lean_prefill`,
+    or transformers' `_prefill` for chunked prompts or all positions' logits), then one `_decoding_step` per new
+    token, with the inputs transformers would prepare."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -197,7 +198,17 @@ def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, genera
     unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
-    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    if generation_config.prefill_chunk_size is None and model_kwargs.get("logits_to_keep") == 1:
+        # What `_prefill` hands the model's forward for a whole prompt and an empty cache.
+        outputs = _lean_prefill(
+            model,
+            input_ids.clone(),
+            model_kwargs.get("attention_mask"),
+            model_kwargs.get("position_ids"),
+            model_kwargs["cache"],
+        )
+    else:
+        outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
     cache, mask = model_kwargs["cache"], model_kwargs.get("attention_mask")
     position_ids = model_kwargs.get("position_ids")
@@ -247,11 +258,26 @@ def _decoding_step(
 ) -> CausalLMOutputWithPast:
     """`model.forward(input_ids=..., attention_mask=..., position_ids=..., cache=...)` for one new token per row: the
     operations of transformers' Llama/Qwen2 forward, in its order, without its module calls and keyword plumbing."""
+    return _lean_forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep=0)
+
+
+def _lean_prefill(
+    model: nn.Module, input_ids, attention_mask, position_ids, cache: DynamicCache
+) -> CausalLMOutputWithPast:
+    """The prompt's forward in `generate` (`logits_to_keep=1`, an empty cache), as `_decoding_step` computes a step."""
+    return _lean_forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep=1)
+
+
+def _lean_forward(
+    model: nn.Module, input_ids, attention_mask, position_ids, cache: DynamicCache, logits_to_keep: int
+) -> CausalLMOutputWithPast:
+    """The operations of transformers' Llama/Qwen2 forward on `input_ids` after the tokens `cache` holds (the
+    logits of the last `logits_to_keep` positions; 0: of all)."""
     inner = model.model
     apply_rotary = sys.modules[type(inner.layers[0]).__module__].apply_rotary_pos_emb
     embeds = inner.embed_tokens(input_ids)
     if position_ids is None:
-        position_ids = (torch.arange(1, device=embeds.device) + cache.get_seq_length()).unsqueeze(0)
+        position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + cache.get_seq_length()).unsqueeze(0)
     mask = create_causal_mask(
         config=inner.config,
         inputs_embeds=embeds,
@@ -289,11 +315,15 @@ def _decoding_step(
         hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
         hidden = residual + hidden
     hidden = inner.norm.forward(hidden)
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:, :]  # transformers' `slice_logits_to_keep`
     return CausalLMOutputWithPast(logits=model.lm_head.forward(hidden), cache=cache)
 
 
 def _cast_layer_cache(layer, dtype: torch.dtype) -> None:
     """Hold one layer's cached keys and values in `dtype` (the prompt's, written by the model's own forward)."""
+    if not layer.is_initialized:
+        return  # an empty cache: the prompt's keys and values are cast as they come
     if layer.keys.dtype != dtype:
         layer.keys = layer.keys.to(dtype)
     if layer.values.dtype != dtype:
