@@ -11,16 +11,17 @@ its forward calls them: the embedding, `create_causal_mask`, the rotary embeddin
 projections, the model's `apply_rotary_pos_emb`, the cache's `update`, transformers' SDPA attention, the residual
 additions, the MLP, and the final norm and head. The values are the model's own, bit for bit, under autocast or
 without (`tests/test_decoding.py` compares whole generations and random states); what is left out is the Python
-between them. Every other call (the prompt's forward, anything with other arguments) is the model's own forward.
+between them. Every other call of `model.forward` (the prompt's forward outside the loop below, anything with other
+arguments) is the model's own forward.
 
 The sampling loop around the steps (`_sampling_loop`, in place of transformers' `_sample` for this model) prepares
 each step's inputs directly: the last token, the next position (and the attention mask grown by one column), the
 cache, without `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the model call in between;
 the logits processors, the draw, the end-of-sequence padding and the stopping criteria are transformers' own, in
-its order. It runs where a step of the loop is always a `_decoding_step`: sampling or greedy search of a
-decoder-only model from an empty `DynamicCache`, no streamer, no synchronised GPUs, no returned attentions or
-hidden states, no other model arguments; anywhere else, transformers' loop. On the tiny test model this saves a
-tenth of a `generate` call.
+its order. The prompt's forward runs the same operations as a step, on the whole prompt (`_lean_prefill`). The loop
+runs where each of its steps would be a `_decoding_step`: sampling or greedy search of a decoder-only model from an
+empty `DynamicCache`, no streamer, no synchronised GPUs, no returned attentions or hidden states, no other model
+arguments; anywhere else, transformers' loop. On the tiny test model this saves about a tenth of a `generate` call.
 
 Applies only to models whose layers are exactly transformers' `LlamaDecoderLayer` or `Qwen2DecoderLayer` (SmolLM2,
 Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, no forward hooks on the modules it
