@@ -2,13 +2,13 @@
 
 - `LogitsProcessorList.__call__` runs `inspect.signature` on every processor at every decoding step, to see whether
   it takes keyword arguments beyond `(input_ids, scores)`. A processor's `__call__` is its class's, so
-  `ProcessorsCalledByClass` asks once per class and then calls the processors exactly as transformers does: with
+  `processors_called_by_class` asks once per class and then calls the processors exactly as transformers does: with
   the keyword arguments where the signature has more parameters (and the same `ValueError` when one is missing),
   without them otherwise. A processor whose instance carries its own `__call__` is inspected at every call, as in
   transformers.
 - `Accelerator.unwrap_model`, which TRL calls once per `generate` call, asks `accelerate.utils.is_deepspeed_available`
   whether DeepSpeed is installed, and that reads the package's metadata from disk each time (0.9 ms).
-  `cached_deepspeed_check` answers from the first answer of this process.
+  `_deepspeed_available` answers from the first answer of this process.
 
 On the tiny test model (two agents, 16 new tokens) the two took 2.4% and 1.7% of `train()` in a sampling profile
 (docs/benchmarks.md, "Where the tiny model's time goes").
@@ -17,7 +17,7 @@ On the tiny test model (two agents, 16 new tokens) the two took 2.4% and 1.7% of
 import functools
 import inspect
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import accelerate.utils.other
 import torch
@@ -68,7 +68,8 @@ _ACCELERATE_CHECK = accelerate.utils.other.is_deepspeed_available
 def fewer_fixed_costs() -> Iterator[None]:
     """A block (one `generate` call) in which logits processors are inspected once per class and Accelerate's
     DeepSpeed check answers from memory."""
-    with ExitStack() as stack:
-        stack.enter_context(attribute_replaced(LogitsProcessorList, "__call__", processors_called_by_class))
-        stack.enter_context(attribute_replaced(accelerate.utils.other, "is_deepspeed_available", _deepspeed_available))
+    with (
+        attribute_replaced(LogitsProcessorList, "__call__", processors_called_by_class),
+        attribute_replaced(accelerate.utils.other, "is_deepspeed_available", _deepspeed_available),
+    ):
         yield

@@ -322,7 +322,7 @@ def _lean_forward(
 
 
 def _cast_layer_cache(layer, dtype: torch.dtype) -> None:
-    """Hold one layer's cached keys and values in `dtype` (the prompt's, written by the model's own forward)."""
+    """Hold one layer's cached keys and values in `dtype` (the prompt's, where the model's own forward wrote them)."""
     if not layer.is_initialized:
         return  # an empty cache: the prompt's keys and values are cast as they come
     if layer.keys.dtype != dtype:
