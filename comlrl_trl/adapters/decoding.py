@@ -27,6 +27,10 @@ Applies only to models whose layers are exactly transformers' `LlamaDecoderLayer
 Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, no forward hooks on the modules it
 calls through `forward` (user hooks; a hook would be skipped), and not to parameters DeepSpeed shards. A PEFT model
 (LoRA agents) is decoded through its transformers model, whose LoRA layers' own `forward` runs as it would.
+
+`lean_decoding(model, team)` runs the same loop over a whole team's rows (`adapters/joint_decoding.py`): the forwards
+go through the team's view, which sends each row through its own agent's weights, and a call the loop (with its
+lean prompt forward) would not run raises `JointDecodingUnavailable` before any token is drawn.
 """
 
 import functools
@@ -87,12 +91,22 @@ def _global_hooks() -> bool:
     return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
+class JointDecodingUnavailable(RuntimeError):
+    """A team's `generate` call that `_sampling_loop` cannot run as one loop (raised before any token is drawn)."""
+
+
 @contextmanager
-def lean_decoding(model: nn.Module) -> Iterator[None]:
+def lean_decoding(model: nn.Module, team: nn.Module | None = None) -> Iterator[None]:
     """Inside the block, `model`'s decoding steps run through `_decoding_step` where `lean_decoding_applies`; its
-    `forward` is back afterwards, also after an error."""
+    `forward` is back afterwards, also after an error.
+
+    `team` (`joint_decoding.team_view` of a team whose first agent is `model`): `model.generate` then decodes every agent's
+    rows at once, each row through its own agent's weights, and raises `JointDecodingUnavailable` where our loop and
+    its lean prompt forward do not apply."""
     model = transformers_model(model)  # PEFT: its generate runs the transformers model's forward
     if not lean_decoding_applies(model):
+        if team is not None:
+            raise JointDecodingUnavailable("the first agent's model is not one lean decoding runs")
         yield
         return
     own = "forward" in vars(model)  # TRL's fused head, for one, sets the forward on the instance
@@ -122,7 +136,14 @@ def lean_decoding(model: nn.Module) -> Iterator[None]:
         streamer=None,
         **model_kwargs,
     ):
-        if self is model and _loop_applies(self, generation_config, synced_gpus, streamer, model_kwargs):
+        applies = self is model and _loop_applies(self, generation_config, synced_gpus, streamer, model_kwargs)
+        if team is not None and self is model:
+            if not (applies and _lean_prefill_applies(generation_config, model_kwargs)):
+                raise JointDecodingUnavailable("transformers' own sampling loop would run")
+            return _sampling_loop(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, team
+            )
+        if applies:
             return _sampling_loop(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
             )
@@ -187,10 +208,19 @@ def _loop_applies(model: nn.Module, generation_config, synced_gpus: bool, stream
     )
 
 
-def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
+def _lean_prefill_applies(generation_config, model_kwargs: dict) -> bool:
+    """Whether `_sampling_loop` runs the prompt's forward as `_lean_prefill` (one pass, the last position's logits)."""
+    return generation_config.prefill_chunk_size is None and model_kwargs.get("logits_to_keep") == 1
+
+
+def _sampling_loop(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict, decoder=None
+):
     """transformers' `_sample` (sampling or greedy search) where `_loop_applies`: the prompt's forward (`_lean_prefill`,
     or transformers' `_prefill` for chunked prompts or all positions' logits), then one `_decoding_step` per new
-    token, with the inputs transformers would prepare."""
+    token, with the inputs transformers would prepare. `decoder` (default `model`) is what the forwards run: a
+    team's view decodes every agent's rows with its own weights."""
+    decoder = model if decoder is None else decoder
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -199,10 +229,10 @@ def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, genera
     unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
-    if generation_config.prefill_chunk_size is None and model_kwargs.get("logits_to_keep") == 1:
+    if _lean_prefill_applies(generation_config, model_kwargs):
         # What `_prefill` hands the model's forward for a whole prompt and an empty cache.
         outputs = _lean_prefill(
-            model,
+            decoder,
             input_ids.clone(),
             model_kwargs.get("attention_mask"),
             model_kwargs.get("position_ids"),
@@ -236,7 +266,7 @@ def _sampling_loop(model, input_ids, logits_processor, stopping_criteria, genera
             if unfinished_sequences.max() == 0:
                 break
             del outputs
-            outputs = _decoding_step(model, input_ids[:, -1:].clone(), mask, position_ids, cache)
+            outputs = _decoding_step(decoder, input_ids[:, -1:].clone(), mask, position_ids, cache)
             # What `_update_model_kwargs_for_generation` and `prepare_inputs_for_generation` hand the next step.
             if position_ids is not None:
                 position_ids = position_ids + 1
@@ -275,7 +305,7 @@ def _lean_forward(
     """The operations of transformers' Llama/Qwen2 forward on `input_ids` after the tokens `cache` holds (the
     logits of the last `logits_to_keep` positions; 0: of all)."""
     inner = model.model
-    apply_rotary = sys.modules[type(inner.layers[0]).__module__].apply_rotary_pos_emb
+    apply_rotary = rotary_function(inner.layers[0])
     embeds = inner.embed_tokens(input_ids)
     if position_ids is None:
         position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + cache.get_seq_length()).unsqueeze(0)
@@ -319,6 +349,11 @@ def _lean_forward(
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:, :]  # transformers' `slice_logits_to_keep`
     return CausalLMOutputWithPast(logits=model.lm_head.forward(hidden), cache=cache)
+
+
+def rotary_function(layer: nn.Module):
+    """The `apply_rotary_pos_emb` of a decoder layer's modelling module (a team's layer view names its own)."""
+    return getattr(layer, "apply_rotary_pos_emb", None) or sys.modules[type(layer).__module__].apply_rotary_pos_emb
 
 
 def _cast_layer_cache(layer, dtype: torch.dtype) -> None:

@@ -138,9 +138,16 @@ class AgentGRPOTrainer(GRPOTrainer):
     # ----- generation and scoring -----
 
     def generate(self, prompts: list) -> Rollout:
-        """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding.
+        """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding,
+        under `generation_contexts`."""
+        with self.generation_contexts(rows=len(prompts)):
+            return Rollout(*super()._generate(prompts))
 
-        Runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
+    @contextmanager
+    def generation_contexts(self, rows: int, team=None):
+        """The block in which this agent's model generates `rows` completions.
+
+        It runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
         the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
         outputs, on one thread to the bit; 12% less time); in fp32 with `cpu_fp16_generation_weights`, with their
@@ -150,8 +157,9 @@ class AgentGRPOTrainer(GRPOTrainer):
         their operations (`adapters/decoding.py`), keeping the same tokens and random state as transformers and torch
         (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token). Logits
         processors are inspected once per class, and Accelerate's DeepSpeed check reads no metadata
-        (`adapters/call_overheads.py`).
+        (`adapters/call_overheads.py`). `team`: see `adapters/joint_decoding.py`.
         """
+        cpu = self.accelerator.device.type == "cpu"
         with (
             self.accelerator.autocast(),
             torch.no_grad(),
@@ -161,15 +169,15 @@ class AgentGRPOTrainer(GRPOTrainer):
             if self.use_vllm
             else packed_linear_weights(
                 self.model,
-                rows=len(prompts),
+                rows=rows,
                 fp16_weights=self.args.cpu_fp16_generation_weights,
                 new_tokens=self.max_completion_length,
             ),
-            fused_top_k_top_p() if self.accelerator.device.type == "cpu" else nullcontext(),
-            nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else sparse_sampling(),
-            nullcontext() if self.use_vllm or self.accelerator.device.type != "cpu" else lean_decoding(self.model),
+            fused_top_k_top_p() if cpu else nullcontext(),
+            nullcontext() if self.use_vllm or not cpu else sparse_sampling(),
+            nullcontext() if self.use_vllm or not cpu else lean_decoding(self.model, team),
         ):
-            return Rollout(*super()._generate(prompts))
+            yield
 
     def use_generation_engines(self, engines) -> None:
         """Generate through the team's vLLM engines (a `comlrl_trl.generation.TeamVLLM`) from now on.
