@@ -25,6 +25,7 @@ import torch
 
 from .adapters.grpo import Rollout, completion_text
 from .adapters.helpers import gradient_checkpointing_disabled
+from .adapters.joint_decoding import TeamGeneration
 from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
@@ -89,6 +90,7 @@ class JointRolloutOrchestrator:
         external_transition=None,
     ):
         self.agents = agents
+        self.team_generation = TeamGeneration(agents)
         self.formatters = formatters
         self.joint_reward = joint_reward
         self.args = args
@@ -112,7 +114,7 @@ class JointRolloutOrchestrator:
         turns: list[Turn] = []
         for turn in range(self.args.num_turns):
             prompts = [[node.prompts[a] for node in nodes for _ in range(k)] for a in range(len(self.agents))]
-            rollouts = [agent.generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts)]
+            rollouts = self.team_generation(prompts)
             texts = [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
             next_nodes = self._score_and_expand(nodes, texts, turn)
             turns.append(Turn(nodes, prompts, rollouts, texts))
@@ -291,10 +293,8 @@ class JointRolloutOrchestrator:
 
     def sample(self, node_prompts: list[list[Any]]) -> list[list[str]]:
         """One completion per agent for every node: `node_prompts[node][agent]` -> texts `[agent][node]`."""
-        return [
-            [completion_text(c) for c in agent.generate([prompts[a] for prompts in node_prompts]).completions]
-            for a, agent in enumerate(self.agents)
-        ]
+        rollouts = self.team_generation([[prompts[a] for prompts in node_prompts] for a in range(len(self.agents))])
+        return [[completion_text(c) for c in rollout.completions] for rollout in rollouts]
 
 
 @torch.no_grad()

@@ -200,8 +200,12 @@ def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, 
 
     def train(lean: bool):
         if not lean:
-            monkeypatch.setattr(grpo, "lean_decoding", lambda model: contextlib.nullcontext())
-        trainer = make_team(reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)], max_steps=2)
+            monkeypatch.setattr(grpo, "lean_decoding", lambda model, team=None: contextlib.nullcontext())
+        trainer = make_team(
+            reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
+            max_steps=2,
+            joint_generation=False,  # each agent's own call: transformers' tokens (the team's loop draws differently)
+        )
         trainer.train()
         rows = [
             {k: v for k, v in row.items() if "time" not in k and "per_second" not in k}

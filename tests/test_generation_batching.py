@@ -1,11 +1,13 @@
 """The default generation schedule: one task item per optimiser update, the items of several updates sampled in one
-`generate` call per agent, every agent updated at every step."""
+generation of the team (one joint decoding loop, or one `generate` call per agent), every agent updated at every
+step."""
 
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
 from comlrl_trl.adapters.grpo import AgentGRPOTrainer
+from comlrl_trl.adapters.joint_decoding import TeamGeneration
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
@@ -32,14 +34,14 @@ class ParameterChanges(TrainerCallback):
 def test_default_samples_two_updates_at_once_and_updates_every_agent_every_step(qwen_path, make_config, monkeypatch):
     # 10 items, one per update, 2 updates per generation: 5 generations of 2 items x K=2 = 4 prompts per agent, and
     # 10 optimiser steps that each change both agents.
-    calls = []  # (agent index, number of prompts) per generate call
-    original = AgentGRPOTrainer.generate
+    calls = []  # the number of prompts of every agent, per generation of the team
+    original = TeamGeneration.__call__
 
     def counting(self, prompts):
-        calls.append((self.agent_index, len(prompts)))
+        calls.append([len(agent_prompts) for agent_prompts in prompts])
         return original(self, prompts)
 
-    monkeypatch.setattr(AgentGRPOTrainer, "generate", counting)
+    monkeypatch.setattr(TeamGeneration, "__call__", counting)
     config = make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None)
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,
@@ -51,20 +53,20 @@ def test_default_samples_two_updates_at_once_and_updates_every_agent_every_step(
     changes = ParameterChanges(trainer)
     trainer.add_callback(changes)
     trainer.train()
-    assert calls == [(0, 4), (1, 4)] * 5
+    assert calls == [[4, 4]] * 5
     assert trainer.state.global_step == 10
     assert changes.changed == [[True, True]] * 10
 
 
 def test_a_set_steps_per_generation_of_one_samples_for_every_update(qwen_path, make_config, monkeypatch):
-    calls = []
-    original = AgentGRPOTrainer.generate
+    calls = []  # the number of prompts of every agent, per generation of the team
+    original = TeamGeneration.__call__
 
     def counting(self, prompts):
-        calls.append(len(prompts))
+        calls.append([len(agent_prompts) for agent_prompts in prompts])
         return original(self, prompts)
 
-    monkeypatch.setattr(AgentGRPOTrainer, "generate", counting)
+    monkeypatch.setattr(TeamGeneration, "__call__", counting)
     config = make_config(num_generations=2, max_new_tokens=4, steps_per_generation=1)
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,
@@ -73,7 +75,7 @@ def test_a_set_steps_per_generation_of_one_samples_for_every_update(qwen_path, m
         args=config,
     )
     trainer.train()
-    assert calls == [2] * 20  # 10 updates x 2 agents, one item of K=2 each
+    assert calls == [[2, 2]] * 10  # 10 updates, one item of K=2 for each agent
 
 
 def _train_two_items_with_a_scoring_probe(qwen_path, make_config, monkeypatch, **config):

@@ -150,6 +150,14 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             trained ones (bf16 runs round to 2**-8); the loss, the old log-probabilities and evaluation scores are
             computed as before. Layers with fewer than 256 inputs stay fp32. `False`: generation in fp32, token for
             token transformers' own.
+        joint_generation (`bool`, *optional*, defaults to `True`):
+            On a CPU, sample every agent's completions in one decoding loop instead of one `generate` call per agent
+            (`comlrl_trl/adapters/joint_decoding.py`): each row goes through its own agent's weights, and what the
+            agents share (a LoRA team's frozen base model, attention, sampling) runs once for all rows. Decoding a
+            few rows on a CPU costs nearly as much as decoding twice as many. The samples follow the same
+            distributions, but are not the tokens separate calls draw (one draw per step covers every agent). Applies
+            to Llama and Qwen2 teams of one architecture that sample with the same settings; elsewhere, and with
+            `False`, every agent generates in its own call.
 
         > Parameters that control evaluation and logging
 
@@ -239,6 +247,12 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     cpu_fp16_generation_weights: bool = field(
         default=True,
         metadata={"help": "fp32 generation on a CPU: multiply with fp16-rounded weights (fbgemm); False: exact fp32."},
+    )
+    joint_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "On a CPU, decode every agent's rows in one loop (each with its own weights); False: one call each."
+        },
     )
     eval_interval: int = field(
         default=16, metadata={"help": "Evaluate every this many training task items (and before item 0); 0: manual."}
