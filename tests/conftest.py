@@ -75,15 +75,16 @@ def _zero_reward(completions_0, completions_1):
 @pytest.fixture
 def make_team(qwen_path, make_config, prompts_dataset):
     """A two-agent MAGRPOTrainer on the tiny Qwen2 model and the prompts dataset; keyword arguments override
-    `make_config`'s settings, `reward_func` the joint reward (0 by default)."""
+    `make_config`'s settings, `reward_func` the joint reward (0 by default), `peft_config` LoRA agents."""
 
-    def make(reward_func=_zero_reward, **overrides):
+    def make(reward_func=_zero_reward, peft_config=None, **overrides):
         return MAGRPOTrainer(
             agent_model=qwen_path,
             num_agents=2,
             reward_func=reward_func,
             args=make_config(**overrides),
             train_dataset=prompts_dataset,
+            peft_config=peft_config,
         )
 
     return make

@@ -9,25 +9,14 @@ from peft import LoraConfig
 from comlrl_trl.adapters import decoding
 from comlrl_trl.adapters.helpers import transformers_model
 from comlrl_trl.adapters.joint_decoding import SharedWeights, _PerAgent, _SharedBaseLora, team_view, until_eos
-from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
 @pytest.fixture
-def make_lora_team(qwen_path, make_config, prompts_dataset):
-    def make(**overrides):
-        return MAGRPOTrainer(
-            agent_model=qwen_path,
-            num_agents=2,
-            reward_func=_length_reward,
-            args=make_config(**overrides),
-            train_dataset=prompts_dataset,
-            peft_config=LORA,
-        )
-
-    return make
+def make_lora_team(make_team):
+    return lambda **overrides: make_team(reward_func=_length_reward, peft_config=LORA, **overrides)
 
 
 def _length_reward(completions_0, completions_1):
