@@ -665,6 +665,7 @@ gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, rank)
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps({"ranks": gathered, "start": start, "pairs": marlhf.log_history[0]["preference/pairs"]}))
+dist.destroy_process_group()  # before Python's shutdown, which can abort (SIGABRT) with Gloo's threads busy
 """
 
 

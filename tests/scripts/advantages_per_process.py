@@ -56,3 +56,5 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    if dist.is_initialized():  # before Python's shutdown, which can abort (SIGABRT) with Gloo's threads busy
+        dist.destroy_process_group()

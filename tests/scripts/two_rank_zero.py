@@ -208,3 +208,5 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(*sys.argv[1:])
+    if dist.is_initialized():  # before Python's shutdown, which can abort (SIGABRT) with Gloo's threads busy
+        dist.destroy_process_group()
