@@ -3,10 +3,27 @@ written by `save_model`) and model objects, and reloading exported weights into 
 
 import os
 from contextlib import contextmanager
+from typing import Any
 
 from accelerate.utils import is_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+# Config entries that name, identify or place a model, or pick its attention backend, without shaping its computation
+# (`architectures` gives way to the model's class: a model built in memory has none until it is saved).
+_NOT_ARCHITECTURE = frozenset(
+    {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache", "architectures"}
+    | {"bos_token_id", "eos_token_id", "pad_token_id", "_attn_implementation_autoset", "_attn_implementation"}
+)
+
+
+def architecture(model: nn.Module) -> dict[str, Any]:
+    """What two models must share to run through one computation: the transformers model's class (a PEFT model's
+    base) and its config, without names, token ids, dtype and attention backend."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = {key: value for key, value in base.config.to_dict().items() if key not in _NOT_ARCHITECTURE}
+    return {"model class": type(base).__name__, **config}
 
 
 def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:

@@ -166,3 +166,32 @@ def test_training_with_one_loop_updates_every_agent(make_lora_team, monkeypatch)
 def test_until_eos_keeps_tokens_through_the_first_end_of_sequence():
     tokens = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [3, 3, 9, 1], [9, 0, 0, 0]])
     assert until_eos(tokens, [2, 9]) == [[5, 2], [5, 6, 7, 8], [3, 3, 9], [9]]
+
+
+@pytest.mark.parametrize("engine", ["is_deepspeed_enabled", "is_fsdp_enabled"])
+def test_sharded_agents_generate_in_their_own_calls(make_team, monkeypatch, engine):
+    """Under DeepSpeed or FSDP each agent gathers its own parameters for its call, so there is no joint loop."""
+    trainer = make_team()
+    monkeypatch.setattr(trainer.agent_trainers[1], engine, True)
+    team = trainer.orchestrator.team_generation
+    assert team.unavailable() == "DeepSpeed and FSDP gather each agent's parameters for its own call"
+
+
+def test_agents_that_differ_in_shape_or_weight_dtype_generate_in_their_own_calls(make_team, monkeypatch):
+    trainer = make_team()
+    team = trainer.orchestrator.team_generation
+    second = trainer.agent_trainers[1].model
+    # A different name and pad token id do not stop the joint loop; a different shape does.
+    monkeypatch.setattr(second.config, "_name_or_path", "elsewhere")
+    monkeypatch.setattr(second.config, "pad_token_id", 7)
+    assert team.unavailable() is None
+    monkeypatch.setattr(second.config, "rms_norm_eps", second.config.rms_norm_eps * 10)
+    assert team.unavailable() == "the agents' models have different architectures"
+    monkeypatch.undo()
+    assert team.unavailable() is None
+    second.to(torch.float64)
+    assert team.unavailable() == "the agents' weights have different dtypes"
+    loops = _count_loops(monkeypatch)
+    rollouts = team(_prompts())
+    assert loops == [4, 4]
+    assert [len(r.completion_ids) for r in rollouts] == [4, 4]

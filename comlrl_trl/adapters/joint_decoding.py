@@ -28,6 +28,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from ..loading import architecture
 from .decoding import JointDecodingUnavailable, lean_decoding_applies, rotary_function
 from .grpo import Rollout
 from .helpers import attribute_replaced, transformers_model
@@ -208,8 +209,10 @@ class TeamGeneration:
         models = [transformers_model(agent.model) for agent in agents]
         if not all(type(model) is type(models[0]) and lean_decoding_applies(model) for model in models):
             return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
-        if any(_config(model) != _config(models[0]) for model in models):
-            return "the agents' models have different configurations"
+        if any(architecture(model) != architecture(models[0]) for model in models):
+            return "the agents' models have different architectures"
+        if any(_weight_dtypes(model) != _weight_dtypes(models[0]) for model in models):
+            return "the agents' weights have different dtypes"
         settings = [(a.generation_config.to_dict(), a.generation_kwargs, a.eos_token_ids) for a in agents]
         if any(setting != settings[0] for setting in settings):
             return "the agents sample with different settings"
@@ -262,7 +265,5 @@ def until_eos(tokens: torch.Tensor, eos_token_ids: list[int]) -> list[list[int]]
     return completions
 
 
-def _config(model: nn.Module) -> dict:
-    config = model.config.to_dict()
-    config.pop("_name_or_path", None)
-    return config
+def _weight_dtypes(model: nn.Module) -> set[torch.dtype]:
+    return {parameter.dtype for parameter in model.parameters()}

@@ -40,6 +40,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ..loading import architecture
+
 
 __all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
 
@@ -113,30 +115,14 @@ def plan_weights(models: Sequence[nn.Module], lora_mode: Literal["adapter", "mer
     return groups
 
 
-# Config entries that do not change a model's parameters or forward pass in vLLM (`architectures` is replaced by the
-# model's class: a model built in memory has none until it is saved).
-_NOT_ARCHITECTURE = frozenset(
-    {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache", "architectures"}
-    | {"bos_token_id", "eos_token_id", "pad_token_id", "_attn_implementation_autoset", "_attn_implementation"}
-)
-
-
-def _architecture(model: nn.Module) -> dict[str, Any]:
-    """What must be equal for two models to run in one vLLM engine: the base model's class and its config without
-    names, token ids and dtype."""
-    base = model.get_base_model() if _is_peft(model) else model
-    config = {key: value for key, value in base.config.to_dict().items() if key not in _NOT_ARCHITECTURE}
-    return {"model class": type(base).__name__, **config}
-
-
 def check_one_architecture(models: Sequence[nn.Module]) -> None:
     """Raise a ValueError naming the first agent whose architecture differs from agent 0's.
 
     vLLM runs one engine per process on GPUs, and the team's engine takes each agent's weights in turn, so every agent
     must have the same architecture (model class and every shape-defining config entry)."""
-    first = _architecture(models[0])
+    first = architecture(models[0])
     for index, model in enumerate(models[1:], start=1):
-        other = _architecture(model)
+        other = architecture(model)
         differing = sorted(
             (key for key in first.keys() | other.keys() if first.get(key) != other.get(key)),
             key=lambda key: (key != "model class", key),  # the class first, then the config entries
