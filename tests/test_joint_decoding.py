@@ -189,6 +189,10 @@ def test_agents_that_differ_in_shape_or_weight_dtype_generate_in_their_own_calls
     assert team.unavailable() == "the agents' models have different architectures"
     monkeypatch.undo()
     assert team.unavailable() is None
+    # Another model class with the same config (here a subclass, which the lean loop still runs) is another model.
+    monkeypatch.setattr(second, "__class__", type("OtherQwen2", (type(second),), {}))
+    assert team.unavailable() == "the agents' models have different architectures"
+    monkeypatch.undo()
     second.to(torch.float64)
     assert team.unavailable() == "the agents' weights have different dtypes"
     loops = _count_loops(monkeypatch)

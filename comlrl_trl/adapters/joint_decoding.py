@@ -207,7 +207,7 @@ class TeamGeneration:
         if any(agent.rollout_func is not None or agent.tools for agent in agents):
             return "an agent has its own rollout function or tools"
         models = [transformers_model(agent.model) for agent in agents]
-        if not all(type(model) is type(models[0]) and lean_decoding_applies(model) for model in models):
+        if not all(lean_decoding_applies(model) for model in models):
             return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
         if any(architecture(model) != architecture(models[0]) for model in models):
             return "the agents' models have different architectures"
