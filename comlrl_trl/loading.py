@@ -99,7 +99,15 @@ def load_exported_weights(model, path: str) -> None:
 
 
 def attach_value_head(model, head: nn.Module) -> None:
-    """Register `head` as the actor's `value_head`, kept out of `save_pretrained` (it is saved as value_head.pt)."""
+    """Register `head` as the actor's `value_head`, kept out of `save_pretrained` (it is saved as value_head.pt).
+
+    A backbone that ZeRO-3 partitioned while loading holds DeepSpeed's precision (bf16 under bf16 mixed precision),
+    and DeepSpeed casts no parameter added later; its optimiser takes one dtype per partition. The head is therefore
+    cast to the backbone's dtype there (DeepSpeed keeps fp32 master weights for it all the same).
+    """
+    partitioned = next((p for p in model.parameters() if hasattr(p, "ds_id")), None)
+    if partitioned is not None:
+        head.to(partitioned.dtype)
     model.value_head = head
     if isinstance(model, PreTrainedModel):
         ignored = set(model._keys_to_ignore_on_save or ())

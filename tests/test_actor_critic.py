@@ -527,3 +527,20 @@ def test_joint_critic_input_is_truncated_from_the_left(qwen_path, make_config):
     ids, mask, index = critic_set._encode([long_text, "hi"])
     assert ids.shape[1] == 8 and ids[0].tolist() == full[-8:] and mask[0].all()
     assert index.tolist() == [7, 7]
+
+
+def test_a_head_on_a_zero3_partitioned_backbone_takes_its_dtype_and_otherwise_stays_fp32():
+    """ZeRO-3 partitions the backbone in DeepSpeed's precision while loading and casts nothing added later; its
+    optimiser takes one dtype per partition, so a head attached there must share the backbone's dtype."""
+    from comlrl_trl.loading import attach_value_head
+    from comlrl_trl.value_models import ValueHead
+
+    plain = torch.nn.Linear(4, 4).to(torch.bfloat16)  # a bf16 model without DeepSpeed: the head stays fp32
+    attach_value_head(plain, ValueHead(4))
+    assert {p.dtype for p in plain.value_head.parameters()} == {torch.float32}
+
+    partitioned = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    partitioned.weight.ds_id = 0  # how DeepSpeed marks a ZeRO-3 parameter
+    attach_value_head(partitioned, ValueHead(4, hidden_dim=3))
+    assert {p.dtype for p in partitioned.value_head.parameters()} == {torch.bfloat16}
+    assert partitioned.value_head.net[0].weight.shape == (3, 4)  # the whole head, not only its output layer

@@ -39,7 +39,7 @@ def main(output_dir: str) -> None:
         report_to="none",
         num_train_epochs=1,
         eval_interval=0,
-        bf16=False,
+        bf16=len(sys.argv) > 2 and sys.argv[2] == "bf16",  # bf16: DeepSpeed keeps ZeRO-Init weights in bf16
     )
     path = tiny_model_path("qwen2")
     iac = IACTrainer(
