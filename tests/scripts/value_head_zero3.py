@@ -22,7 +22,7 @@ def reward(first, second):
 
 def gathered_state(head) -> dict[str, torch.Tensor]:
     with deepspeed.zero.GatheredParameters(list(head.parameters())):
-        return {name: p.detach().clone() for name, p in head.named_parameters()}
+        return {name: p.detach().cpu().clone() for name, p in head.named_parameters()}  # as saved: on the CPU
 
 
 def main(output_dir: str) -> None:
