@@ -112,8 +112,11 @@ def training_autocast(accelerator, bf16: bool):
     return accelerator.autocast()
 
 
-def matmul_gflops(dtype: torch.dtype = torch.bfloat16, size: int = 1024, repeats: int = 5, clock=None) -> float:
-    """The CPU's rate for one `size` x `size` matrix product in `dtype`, in GFLOP/s on the current torch threads.
+def matmul_gflops(
+    dtype: torch.dtype = torch.bfloat16, size: int = 1024, repeats: int = 5, clock=None, device="cpu"
+) -> float:
+    """The rate of one `size` x `size` matrix product in `dtype` on `device`, in GFLOP/s (on the CPU: on the current
+    torch threads; on a GPU each timed product is synchronised).
 
     The best of `repeats` timed products after one warm-up (2 * size**3 floating-point operations each). Training
     times differ several-fold between machines with the same core count (bf16 units, clock, memory), so a timing is
@@ -122,12 +125,16 @@ def matmul_gflops(dtype: torch.dtype = torch.bfloat16, size: int = 1024, repeats
     import time
 
     clock = clock or time.perf_counter
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    a = torch.randn(size, size).to(device, dtype)
+    b = torch.randn(size, size).to(device, dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = clock()
         torch.mm(a, b)
+        sync()
         best = min(best, clock() - start)
     return 2 * size**3 / best / 1e9

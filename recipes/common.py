@@ -145,8 +145,11 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
     # Machines with the same core count differ several-fold (bf16 units, clock, memory): a timing goes with the rate
     # of a matrix product in the precision the run trained in (fp32 where the CPU has no bf16 units: a bf16 product
     # there is emulated, tens of times slower, and says nothing about the run).
+    # On a GPU, the rate is the GPU's, with its name.
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
-    threads, rate = torch.get_num_threads(), matmul_gflops(dtype)
+    device = trainer.accelerator.device
+    threads, rate = torch.get_num_threads(), matmul_gflops(dtype, device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} torch thread(s)"
     precision = str(dtype).removeprefix("torch.")
     summary = {
         "task": recipe.task,
@@ -154,7 +157,12 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
         "reward_func": recipe.reward_func,
         "algorithm": recipe.algorithm,
         "train_seconds": round(seconds, 1),
-        "machine": {"torch_threads": threads, "matmul_dtype": precision, "matmul_gflops": round(rate, 1)},
+        "machine": {
+            "device": str(device),
+            "torch_threads": threads,
+            "matmul_dtype": precision,
+            "matmul_gflops": round(rate, 1),
+        },
         "env_steps": trainer.env_step,
         "train_reward_first": sum(rewards[:window]) / window if rewards else None,
         "train_reward_last": sum(rewards[-window:]) / window if rewards else None,
@@ -169,8 +177,7 @@ def _report(trainer, recipe, config, final_eval, seconds) -> dict:
         json.dump(summary, f, indent=2)
     lines = [
         f"trained in {seconds:.0f} s, {trainer.env_step} joint actions scored "
-        f"(in {precision}; this machine: {rate:.0f} GFLOP/s on a 1024x1024 {precision} matmul with {threads} torch "
-        "thread(s))"
+        f"(in {precision}; this machine: {rate:.0f} GFLOP/s on a 1024x1024 {precision} matmul on {where})"
     ]
     if rewards:
         lines.append(

@@ -57,6 +57,7 @@ def test_recipe_config_runs_two_steps(config, qwen_path, tmp_path):
     # CPU), bf16 for those that set it.
     assert metrics["machine"]["matmul_dtype"] == ("bfloat16" if training_args.bf16 else "float32")
     assert metrics["machine"]["matmul_gflops"] > 0.1 and metrics["machine"]["torch_threads"] >= 1
+    assert metrics["machine"]["device"] == "cpu"  # the rate is measured where the run trained
     assert (out / "reward_curve.png").stat().st_size > 1000
 
 
