@@ -10,9 +10,10 @@ import os
 from contextlib import contextmanager, nullcontext
 
 import torch
-from accelerate.utils import is_peft_model
 from torch import nn
 from transformers import PreTrainedModel
+
+from .loading import is_peft_model
 
 
 VALUE_HEAD_NAME = "value_head.pt"

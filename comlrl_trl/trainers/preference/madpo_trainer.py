@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
 from ...adapters.grpo import AgentGRPOTrainer, completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
+from ...loading import is_peft_model
 from ..team.trainer import TeamTrainer
 from .madpo_config import MADPOConfig
 from .pairs import pair_rng

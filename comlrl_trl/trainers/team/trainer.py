@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.integrations import WandbCallback
@@ -51,7 +50,7 @@ from ...inputs import (
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
-from ...loading import one_device_loading
+from ...loading import is_peft_model, one_device_loading
 from ...orchestrator import JointRolloutOrchestrator
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
