@@ -84,6 +84,9 @@ def test_deepspeed_zero_actor_critic(tmp_path, stage, precision):
     under ZeRO. With bf16 under ZeRO-3 (as on the H200, 2026-12-04) an fp32 head beside the bf16 partitioned
     backbone stopped DeepSpeed's optimiser at construction (one dtype per partition)."""
     report = run_torchrun("ac_deepspeed_smoke.py", tmp_path, 1, precision, zero_stage=stage)
+    if precision == "bf16":  # IAC with LoRA agents and heads too
+        assert report["lora_steps"] == 2 and len(report["lora_heads"]) == 2
+        assert all(weight > 0 for weight in report["lora_heads"])
     assert report["engines"] == ["DeepSpeedEngine"] * 4 and report["steps"] == [2, 2]
     assert report["critic_engines"] == ["DeepSpeedEngine"]
     assert len(report["heads"]) == 3 and all(weight > 0 for weight in report["heads"])

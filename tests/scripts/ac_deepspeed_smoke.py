@@ -9,9 +9,13 @@ import sys
 
 import deepspeed
 from datasets import Dataset
+from peft import LoraConfig
 
 from comlrl_trl.testing import tiny_model_path
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+
+
+BF16 = len(sys.argv) > 2 and sys.argv[2] == "bf16"
 
 
 def reward(first, second):
@@ -39,7 +43,7 @@ def main(output_dir: str) -> None:
         report_to="none",
         num_train_epochs=1,
         eval_interval=0,
-        bf16=len(sys.argv) > 2 and sys.argv[2] == "bf16",  # bf16: DeepSpeed keeps ZeRO-Init weights in bf16
+        bf16=BF16,  # bf16: DeepSpeed keeps ZeRO-Init weights in bf16
     )
     path = tiny_model_path("qwen2")
     iac = IACTrainer(
@@ -57,6 +61,16 @@ def main(output_dir: str) -> None:
         args=MAACConfig(output_dir=f"{output_dir}/maac", **common),
     )
     maac.train()
+    lora_iac = None
+    if BF16:  # LoRA adapters and heads beside the bf16 partitioned base: the usual ZeRO-3 setup on GPUs
+        lora_iac = IACTrainer(
+            agent_model=path,
+            reward_func=reward,
+            train_dataset=dataset,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+            args=IACConfig(output_dir=f"{output_dir}/iac-lora", use_separate_critic=False, **common),
+        )
+        lora_iac.train()
     print(
         "RESULT "
         + json.dumps(
@@ -67,6 +81,8 @@ def main(output_dir: str) -> None:
                 "steps": [iac.state.global_step, maac.state.global_step],
                 "critic_engines": [type(engine).__name__ for engine in maac.critic_set.engines],
                 "heads": head_weights(iac) + head_weights(maac),  # zero at initialisation
+                "lora_heads": head_weights(lora_iac) if lora_iac else [],
+                "lora_steps": lora_iac.state.global_step if lora_iac else 0,
                 "value_losses": [
                     len([r for r in t.state.log_history if key in r])
                     for t, key in ((iac, "agent_1/value_loss"), (maac, "critic/value_loss"))
