@@ -209,9 +209,10 @@ class TeamGeneration:
         models = [transformers_model(agent.model) for agent in agents]
         if not all(lean_decoding_applies(model) for model in models):
             return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
-        if any(architecture(model) != architecture(models[0]) for model in models):
+        first_architecture, first_dtypes = architecture(models[0]), _weight_dtypes(models[0])
+        if any(architecture(model) != first_architecture for model in models[1:]):
             return "the agents' models have different architectures"
-        if any(_weight_dtypes(model) != _weight_dtypes(models[0]) for model in models):
+        if any(_weight_dtypes(model) != first_dtypes for model in models[1:]):
             return "the agents' weights have different dtypes"
         settings = [(a.generation_config.to_dict(), a.generation_kwargs, a.eos_token_ids) for a in agents]
         if any(setting != settings[0] for setting in settings):

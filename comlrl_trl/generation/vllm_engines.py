@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ..loading import architecture
+from ..loading import architecture, is_peft_model
 
 
 __all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
@@ -49,15 +49,9 @@ __all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def _is_peft(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def _is_lora_adapter(model: nn.Module) -> bool:
     """Whether vLLM can serve `model` as base + LoRA adapter (a plain LoRA, no DoRA, no `modules_to_save`)."""
-    if not _is_peft(model):
+    if not is_peft_model(model):
         return False
     from peft import PeftType
 
@@ -156,7 +150,7 @@ def _write_adapter(model: nn.Module, path: str) -> None:
 @contextlib.contextmanager
 def _merged_weights(model: nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
     """All weights of `model` under the base model's names; a peft model's adapter is merged while they are read."""
-    if not _is_peft(model):
+    if not is_peft_model(model):
         yield ((name, param.detach()) for name, param in model.named_parameters())
         return
     model.merge_adapter()
@@ -418,7 +412,7 @@ class TeamVLLM(_TeamSampling):
         """The engine, with random weights built from the config alone: each group's weights come before it generates."""
         from vllm import LLM
 
-        first = models[0].get_base_model() if _is_peft(models[0]) else models[0]
+        first = models[0].get_base_model() if is_peft_model(models[0]) else models[0]
         config_dir = os.path.join(self._tmp.name, "engine")
         first.config.save_pretrained(config_dir)
         if dtype == "auto":
@@ -590,7 +584,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _weights_dtype(model: nn.Module) -> torch.dtype:
-    base = model.get_base_model() if _is_peft(model) else model
+    base = model.get_base_model() if is_peft_model(model) else model
     return next(p.dtype for p in base.parameters() if p.is_floating_point())
 
 
