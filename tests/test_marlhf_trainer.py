@@ -219,7 +219,7 @@ def test_pairs_drop_ties_and_respect_the_cap(qwen_path, make_config, selection, 
             pair_selection=selection, preference_pairs_per_sample=cap, preference_num_candidates=5, max_new_tokens=16
         ),
     )
-    pairs, mean = trainer._collect_pairs(0)
+    pairs, mean, _ = trainer._collect_pairs(0)
     assert trainer.rl_trainer.env_step == 5 * 4  # every candidate of every item scored once
     by_item = {}
     for pair in pairs:
@@ -245,12 +245,30 @@ def test_pairs_drop_ties_and_respect_the_cap(qwen_path, make_config, selection, 
     assert again._collect_pairs(0)[0] == pairs  # seeded: the same pairs again
 
 
+def test_no_pairs_is_an_error_that_tells_ties_from_a_single_answer(qwen_path, make_config):
+    def constant(first, second):
+        return [1.0] * len(first)
+
+    tied = _trainer(qwen_path, make_config, reward_func=constant, config=dict(max_new_tokens=16))
+    with pytest.raises(ValueError, match="No preference pairs in iteration 1") as error:
+        tied.train()
+    assert "a reward that tells the candidates apart" in str(error.value)
+    assert "one and the same text" not in str(error.value)  # sampled at T 1 over 16 tokens, the candidates differ
+
+    # top_k=1 samples the most likely token only: every item's 4 joint candidates are one text.
+    greedy = _trainer(qwen_path, make_config, config=dict(top_k=1))
+    pairs, _, collapsed = greedy._collect_pairs(0)
+    assert pairs == [] and collapsed == len(ITEMS) == 4
+    with pytest.raises(ValueError, match="In 4 of the 4 items the 4 joint candidates were one and the same text"):
+        greedy.train()
+
+
 def test_joint_formatter_replaces_the_joint_text_everywhere(qwen_path, make_config):
     def compact(prompts, completions):
         return " | ".join(completions)
 
     trainer = _trainer(qwen_path, make_config, joint_formatter=compact)
-    pairs, _ = trainer._collect_pairs(0)
+    pairs, _, _ = trainer._collect_pairs(0)
     assert pairs[0].reward_model_row(trainer.joint_formatter, False)["chosen"] == " | ".join(pairs[0].chosen)
     assert trainer.learned_reward.joint_texts(ITEMS[0], [["a", "b"], ["c", "d"]]) == ["a | c", "b | d"]
     default = _trainer(qwen_path, make_config)

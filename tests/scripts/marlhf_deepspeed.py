@@ -67,6 +67,11 @@ def main(output_dir: str, iterative: bool) -> None:
         reward_learning_rate=1e-3,
         reward_num_train_epochs=1,
         reward_train_batch_size=3,
+        # TRL's full-distribution sampling, as in tests/test_marlhf_trainer.py: at T 0.6 / top-p 0.6 the tiny model,
+        # after iteration 1's updates at this learning rate, can sample one answer per item (no pair in iteration 2).
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
     )
     marlhf_trainer.JointRewardTrainer = RecordingRewardTrainer
     if iterative:

@@ -262,12 +262,19 @@ class MARLHFTrainer(MARLHFCheckpoints):
         return output
 
     def _preference_stage(self, iteration: int) -> None:
-        pairs, candidate_mean = self._collect_pairs(iteration)
+        pairs, candidate_mean, collapsed = self._collect_pairs(iteration)
         if not pairs:
+            count = self.args.preference_num_candidates
+            detail = (
+                f" In {collapsed} of the {len(self.train_dataset)} items the {count} joint candidates were one and the "
+                "same text: the agents sample a single answer (sampling too narrow, or a policy collapsed by the "
+                "previous iteration's updates). Raise temperature, top_p or top_k, or lower the learning rate."
+                if collapsed
+                else " Use more candidates, a higher temperature, or a reward that tells the candidates apart."
+            )
             raise ValueError(
-                f"No preference pairs in iteration {iteration + 1}: every task item's "
-                f"{self.args.preference_num_candidates} candidates got equal task rewards. Use more candidates, a "
-                "higher temperature, or a reward that tells the candidates apart."
+                f"No preference pairs in iteration {iteration + 1}: every task item's {count} candidates got equal "
+                f"task rewards.{detail}"
             )
         self.preference_pairs = pairs
         self._total_pairs += len(pairs)
@@ -286,12 +293,16 @@ class MARLHFTrainer(MARLHFCheckpoints):
             }
         )
 
-    def _collect_pairs(self, iteration: int) -> tuple[list[PreferencePair], float]:
-        """Sample C joint candidates per training item with the current agents; rank them with the task reward."""
+    def _collect_pairs(self, iteration: int) -> tuple[list[PreferencePair], float, int]:
+        """Sample C joint candidates per training item with the current agents; rank them with the task reward.
+
+        Returns the pairs of every process, the mean task reward of the candidates, and the number of items whose C
+        joint candidates were all the same text (they can form no pair, whatever the reward).
+        """
         rl, args = self.rl_trainer, self.args
         count = args.preference_num_candidates
         process, processes = rl.accelerator.process_index, rl.accelerator.num_processes
-        pairs, means = [], []
+        pairs, means, collapsed = [], [], 0
         training = [agent.model.training for agent in rl.agent_trainers]
         try:
             for agent in rl.agent_trainers:
@@ -314,6 +325,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
                     )
                 )
                 means.append(sum(rewards) / len(rewards))
+                collapsed += len(set(zip(*candidates))) == 1
         finally:
             for agent, was_training in zip(rl.agent_trainers, training):
                 agent.model.train(was_training)
@@ -321,7 +333,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
         all_pairs = sorted(gather_object(pairs), key=lambda pair: pair.item_index)
         all_means = gather_object(means)
         rl.env_step += count * len(all_means)  # joint candidates scored with the task reward
-        return all_pairs, sum(all_means) / len(all_means)
+        return all_pairs, sum(all_means) / len(all_means), sum(gather_object([collapsed]))
 
     def _new_reward_model(self, iteration: int) -> PreTrainedModel:
         """A fresh reward model from its source (the head seeded by `seed + iteration`), LoRA-wrapped if configured."""
