@@ -108,7 +108,17 @@ def plan_defaults(paths: dict) -> list[tuple[str, str, dict]]:
         ]
         if model == "smollm2":
             rows.append((f"{model} N=2 K=4 defaults lora", "ours", dict(settings, agents=2, lora=True)))
+            # An extra row, labelled: a longer run, where the one-time cost (the first touch of every agent's
+            # gradients and AdamW state, most of the four-item row's system time) weighs less.
+            for system in ("ours", "peer"):
+                rows.append((f"{model} N=2 K=4 defaults 12 items", system, dict(settings, agents=2, items=12)))
     return rows
+
+
+def marginal_cpu_s_per_item(short: dict, long: dict) -> float:
+    """CPU seconds per task item between two runs of the same system that differ only in their item count: the cost
+    of one more update once the one-time costs are paid."""
+    return (long["cpu_seconds"] - short["cpu_seconds"]) / (long["settings"]["items"] - short["settings"]["items"])
 
 
 def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
@@ -158,6 +168,18 @@ def summarize_defaults(by: dict) -> dict:
         out["smollm2 defaults: peak RSS ours LoRA / peer (N=2; target <= 0.5)"] = (
             lora["peak_rss_mb"] / peer["peak_rss_mb"]
         )
+    runs = {
+        (items, system): by.get((f"smollm2 N=2 K=4 defaults{suffix}", system))
+        for items, suffix in ((4, ""), (12, " 12 items"))
+        for system in ("ours", "peer")
+    }
+    if all(runs.values()):
+        out["smollm2 defaults, 12 items (extra row): samples per CPU-s ours/peer"] = (
+            runs[12, "ours"]["joint_samples_per_cpu_s"] / runs[12, "peer"]["joint_samples_per_cpu_s"]
+        )
+        out["smollm2 defaults, items 5-12 (extra row): CPU-s per item peer/ours"] = marginal_cpu_s_per_item(
+            runs[4, "peer"], runs[12, "peer"]
+        ) / marginal_cpu_s_per_item(runs[4, "ours"], runs[12, "ours"])
     return out
 
 
