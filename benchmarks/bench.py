@@ -299,7 +299,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model only")
     parser.add_argument("--defaults", action="store_true", help="only the rows at documented defaults")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per tiny-model measurement (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per tiny-model measurement (median)")
     parser.add_argument("--demo-repeats", type=int, default=1, help="runs per SmolLM2 measurement (long, stable)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU variant (benchmarks/gpu.py)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")

@@ -32,10 +32,15 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model of an unwrapped `model`: a PEFT model's base model, any other model itself."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
 def architecture(model: nn.Module) -> dict[str, Any]:
     """What two models must share to run through one computation: the transformers model's class (a PEFT model's
     base) and its config, without names, token ids, dtype and attention backend."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     config = {key: value for key, value in base.config.to_dict().items() if key not in _NOT_ARCHITECTURE}
     return {"model class": type(base).__name__, **config}
 

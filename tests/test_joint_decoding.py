@@ -7,8 +7,8 @@ from helpers import changed, snapshot
 from peft import LoraConfig
 
 from comlrl_trl.adapters import decoding
-from comlrl_trl.adapters.helpers import transformers_model
 from comlrl_trl.adapters.joint_decoding import SharedWeights, _PerAgent, _SharedBaseLora, team_view, until_eos
+from comlrl_trl.loading import base_model
 
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -93,7 +93,7 @@ def test_sampling_filters_each_row_in_the_team_batch(make_team):
 
 def test_a_lora_team_shares_its_base_and_keeps_its_own_updates(make_lora_team):
     trainer = make_lora_team()
-    models = [transformers_model(agent.model) for agent in trainer.agent_trainers]
+    models = [base_model(agent.model) for agent in trainer.agent_trainers]
     shared = SharedWeights()
     view = team_view(models, [4, 4], shared)
     first = models[0].model
@@ -120,7 +120,7 @@ def test_a_lora_team_shares_its_base_and_keeps_its_own_updates(make_lora_team):
 
 def test_fully_fine_tuned_agents_run_their_own_weights(make_team):
     trainer = make_team()
-    models = [transformers_model(agent.model) for agent in trainer.agent_trainers]
+    models = [base_model(agent.model) for agent in trainer.agent_trainers]
     view = team_view(models, [3, 5], SharedWeights())
     site = view.model.layers[0].mlp.gate_proj
     assert isinstance(site, _PerAgent)

@@ -46,7 +46,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .helpers import full_sdpa_attention, transformers_model, zero_sharded
+from ..loading import base_model
+from .helpers import full_sdpa_attention, zero_sharded
 
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
@@ -103,7 +104,7 @@ def lean_decoding(model: nn.Module, team: nn.Module | None = None) -> Iterator[N
     `team` (`joint_decoding.team_view` of a team whose first agent is `model`): `model.generate` then decodes every agent's
     rows at once, each row through its own agent's weights, and raises `JointDecodingUnavailable` where our loop and
     its lean prompt forward do not apply."""
-    model = transformers_model(model)  # PEFT: its generate runs the transformers model's forward
+    model = base_model(model)  # PEFT: its generate runs the transformers model's forward
     if not lean_decoding_applies(model):
         if team is not None:
             raise JointDecodingUnavailable("the first agent's model is not one lean decoding runs")

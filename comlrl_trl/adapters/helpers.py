@@ -48,11 +48,6 @@ def call_save_model(save_model: Callable[..., None], output_dir: str, internal_c
     save_model(output_dir, _internal_call=internal_call)
 
 
-def transformers_model(model: nn.Module) -> nn.Module:
-    """The transformers model of `model`: a PEFT model's base model, any other model itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def full_sdpa_attention(config: Any, backbone: nn.Module) -> bool:
     """Whether every layer of a transformers decoder (`backbone`, with its `config`) attends to all earlier tokens
     through transformers' SDPA attention: no sliding-window or other layer types, no other attention implementation."""

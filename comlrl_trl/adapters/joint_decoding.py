@@ -28,10 +28,10 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from ..loading import architecture
+from ..loading import architecture, base_model
 from .decoding import JointDecodingUnavailable, lean_decoding_applies, rotary_function
 from .grpo import Rollout
-from .helpers import attribute_replaced, transformers_model
+from .helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class TeamGeneration:
             return "DeepSpeed and FSDP gather each agent's parameters for its own call"
         if any(agent.rollout_func is not None or agent.tools for agent in agents):
             return "an agent has its own rollout function or tools"
-        models = [transformers_model(agent.model) for agent in agents]
+        models = [base_model(agent.model) for agent in agents]
         if not all(lean_decoding_applies(model) for model in models):
             return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
         first_architecture, first_dtypes = architecture(models[0]), _weight_dtypes(models[0])
@@ -228,7 +228,7 @@ class TeamGeneration:
                 raise JointDecodingUnavailable("the prompts hold images")
             prompt_ids.append(ids)
         sizes = [len(ids) for ids in prompt_ids]
-        view = team_view([transformers_model(agent.model) for agent in agents], sizes, self.shared)
+        view = team_view([base_model(agent.model) for agent in agents], sizes, self.shared)
         rows = [torch.tensor(ids) for agent_ids in prompt_ids for ids in agent_ids]
         device = first.accelerator.device
         input_ids = pad(rows, padding_value=first._tokenizer.pad_token_id, padding_side="left").to(device)

@@ -29,7 +29,8 @@ import functools
 import torch
 from torch import nn
 
-from .helpers import full_sdpa_attention, transformers_model
+from ..loading import base_model
+from .helpers import full_sdpa_attention
 
 
 # Decoder layers whose forward takes a 4-D attention mask as given and explicit positions (transformers 5).
@@ -42,7 +43,7 @@ _IGNORED = -100  # TRL's label of a position that is not scored
 
 def shares_prompts(model: nn.Module) -> bool:
     """Whether `SharedPromptModel` may run `model`'s scoring forward packed (see the module docstring)."""
-    inner = transformers_model(model)
+    inner = base_model(model)
     backbone = getattr(inner, "base_model", None)
     layers = getattr(backbone, "layers", None)
     config = getattr(inner, "config", None)
@@ -129,7 +130,7 @@ class SharedPromptModel:
 
     def __init__(self, model: nn.Module, prompt_length: int):
         self.model, self.prompt_length = model, prompt_length
-        inner = transformers_model(model)
+        inner = base_model(model)
         config = inner.config
         self.size = dict(
             layer_parameters=sum(p.numel() for p in inner.base_model.layers.parameters()),

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ..loading import architecture, is_peft_model
+from ..loading import architecture, base_model, is_peft_model
 
 
 __all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
@@ -412,7 +412,7 @@ class TeamVLLM(_TeamSampling):
         """The engine, with random weights built from the config alone: each group's weights come before it generates."""
         from vllm import LLM
 
-        first = models[0].get_base_model() if is_peft_model(models[0]) else models[0]
+        first = base_model(models[0])
         config_dir = os.path.join(self._tmp.name, "engine")
         first.config.save_pretrained(config_dir)
         if dtype == "auto":
@@ -584,8 +584,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _weights_dtype(model: nn.Module) -> torch.dtype:
-    base = model.get_base_model() if is_peft_model(model) else model
-    return next(p.dtype for p in base.parameters() if p.is_floating_point())
+    return next(p.dtype for p in base_model(model).parameters() if p.is_floating_point())
 
 
 def _sleep_mode_setting(sleep_mode: bool | None) -> bool:

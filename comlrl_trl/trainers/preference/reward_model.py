@@ -11,6 +11,7 @@ from transformers.trainer_utils import set_seed
 from ...adapters.reward import RewardTrainerAdapter, load_sequence_classifier
 from ...formatters import format_prompt
 from ...joint_reward import JointReward
+from ...loading import base_model
 
 
 _HEAD_NAMES = ("score", "classifier")
@@ -36,7 +37,7 @@ def load_reward_backbone(source: str, tokenizer: PreTrainedTokenizerBase, seed: 
 
 def reward_head(model: torch.nn.Module) -> torch.nn.Module:
     """The scalar head of a sequence-classification model (`score` or `classifier`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     for name in _HEAD_NAMES:
         head = getattr(base, name, None)
         if isinstance(head, torch.nn.Module):
