@@ -106,6 +106,41 @@ def parse_value(text: str):
         return text
 
 
+def profiler_steps(profiler):
+    """A callback that steps the op profiler at the end of every update (its schedule counts updates)."""
+    from transformers import TrainerCallback
+
+    class ProfilerSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            profiler.step()
+
+    return ProfilerSteps()
+
+
+def usage_per_update():
+    """A callback that prints each update's CPU seconds, system seconds and minor page faults."""
+    from transformers import TrainerCallback
+
+    class UsagePerUpdate(TrainerCallback):
+        def __init__(self):
+            self.last = self.usage()
+
+        @staticmethod
+        def usage():
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            return time.process_time(), own.ru_stime, own.ru_minflt
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = self.usage()
+            cpu, system, faults = (a - b for a, b in zip(now, self.last))
+            self.last = now
+            print(
+                f"update {state.global_step}: {cpu:.2f} CPU-s, {system:.2f} system, {faults} page faults", flush=True
+            )
+
+    return UsagePerUpdate()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
@@ -119,6 +154,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a MAGRPOConfig field")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions")
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="print the top N torch ops by self CPU time")
+    parser.add_argument(
+        "--ops-skip", type=int, default=0, metavar="K", help="leave the first K updates out of the op profile"
+    )
+    parser.add_argument("--per-update", action="store_true", help="print every update's CPU, system time and faults")
     args = parser.parse_args()
 
     import torch
@@ -163,11 +202,18 @@ def main() -> None:
     profiler = cProfile.Profile() if args.cprofile else None
     ops = (
         torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=bool(os.environ.get("PROFILE_SHAPES"))
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            record_shapes=bool(os.environ.get("PROFILE_SHAPES")),
+            # updates after the first K (`--ops-skip`): the profiler steps at the end of every update
+            schedule=torch.profiler.schedule(skip_first=args.ops_skip, wait=0, warmup=0, active=args.items + 1),
         )
         if args.ops
         else nullcontext()
     )
+    if args.ops:
+        trainer.add_callback(profiler_steps(ops))
+    if args.per_update:
+        trainer.add_callback(usage_per_update())
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
     start, wall = cpu_seconds(), time.perf_counter()
     if profiler:
@@ -204,6 +250,8 @@ def main() -> None:
     if args.ops:
         shapes = bool(os.environ.get("PROFILE_SHAPES"))
         print(ops.key_averages(group_by_input_shape=shapes).table(sort_by="self_cpu_time_total", row_limit=args.ops))
+        if os.environ.get("PROFILE_TRACE"):
+            ops.export_chrome_trace(os.environ["PROFILE_TRACE"])
 
 
 if __name__ == "__main__":
