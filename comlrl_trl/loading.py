@@ -33,8 +33,9 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model of an unwrapped `model`: a PEFT model's base model, any other model itself."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    """The transformers model of `model`: a PEFT model's base model (also through `torch.compile`, whose module
+    forwards the attribute), any other model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def architecture(model: nn.Module) -> dict[str, Any]:

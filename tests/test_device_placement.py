@@ -67,3 +67,21 @@ def test_is_peft_model_unwraps_accelerate_wrappers_and_reads_no_package_metadata
     assert is_peft_model(torch.nn.DataParallel(lora)) and not is_peft_model(torch.nn.DataParallel(plain))
     compiled = torch.compile(lora)  # wraps without compiling until the first call
     assert is_peft_model(compiled) and is_peft_model(torch.nn.DataParallel(compiled))
+
+
+def test_base_model_is_the_transformers_model_of_plain_lora_and_compiled_lora_models():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from comlrl_trl.loading import base_model
+
+    config = Qwen2Config(
+        vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    plain = Qwen2ForCausalLM(config)
+    inner = Qwen2ForCausalLM(config)
+    lora = get_peft_model(inner, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert base_model(plain) is plain
+    assert base_model(lora) is inner and isinstance(base_model(lora), Qwen2ForCausalLM)
+    assert base_model(torch.compile(lora)) is inner  # the compiled module forwards get_base_model
