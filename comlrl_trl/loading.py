@@ -11,6 +11,8 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .adapters.helpers import zero_partition_dtype
+
 
 # Config entries that name, identify or place a model, or pick its attention backend, without shaping its computation
 # (`architectures` gives way to the model's class: a model built in memory has none until it is saved).
@@ -125,9 +127,9 @@ def attach_value_head(model, head: nn.Module) -> None:
     and DeepSpeed casts no parameter added later; its optimiser takes one dtype per partition. The head is therefore
     cast to the backbone's dtype there (DeepSpeed keeps fp32 master weights for it all the same).
     """
-    partitioned = next((p for p in model.parameters() if hasattr(p, "ds_id")), None)
+    partitioned = zero_partition_dtype(model)
     if partitioned is not None:
-        head.to(partitioned.dtype)
+        head.to(partitioned)
     model.value_head = head
     if isinstance(model, PreTrainedModel):
         ignored = set(model._keys_to_ignore_on_save or ())

@@ -58,9 +58,15 @@ def full_sdpa_attention(config: Any, backbone: nn.Module) -> bool:
     )
 
 
+def zero_partition_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of `model`'s parameters that DeepSpeed ZeRO-3 partitioned (it marks them with `ds_id`), or None
+    where it partitioned none."""
+    return next((p.dtype for p in model.parameters() if hasattr(p, "ds_id")), None)
+
+
 def zero_sharded(model: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 shards `model`'s parameters (their values live in its partitions, not in `.data`)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    return zero_partition_dtype(model) is not None
 
 
 @contextmanager
