@@ -121,6 +121,12 @@ def marginal_cpu_s_per_item(short: dict, long: dict) -> float:
     return (long["cpu_seconds"] - short["cpu_seconds"]) / (long["settings"]["items"] - short["settings"]["items"])
 
 
+def one_time_cpu_s(short: dict, long: dict) -> float:
+    """The CPU seconds of a run that do not grow with its items (the first touch of gradients and AdamW state, ...):
+    the short run less its items at the marginal rate between the two runs."""
+    return short["cpu_seconds"] - short["settings"]["items"] * marginal_cpu_s_per_item(short, long)
+
+
 def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
     """(label, system, settings) of every tuned measurement (labels end in "tuned")."""
     base = dict(threads=1, lora=False, output_dir="/tmp/comlrl-trl-bench", items_per_step=2)
@@ -150,7 +156,8 @@ def plan(paths: dict, quick: bool) -> list[tuple[str, str, dict]]:
 
 
 def summarize_defaults(by: dict) -> dict:
-    """Ratios for the targets at defaults: joint samples per CPU second vs the peer and TRL, memory vs the peer."""
+    """Ratios for the targets at defaults: joint samples per CPU second vs the peer and TRL, memory vs the peer; with
+    the 12-item SmolLM2 rows also each system's one-time CPU seconds and the four-item ratio they allow at most."""
     out = {}
     for model, target in (("smollm2", 3), ("tiny", 2)):
         ours, peer = by.get((f"{model} N=2 K=4 defaults", "ours")), by.get((f"{model} N=2 K=4 defaults", "peer"))
@@ -180,6 +187,12 @@ def summarize_defaults(by: dict) -> dict:
         out["smollm2 defaults, items 5-12 (extra row): CPU-s per item peer/ours"] = marginal_cpu_s_per_item(
             runs[4, "peer"], runs[12, "peer"]
         ) / marginal_cpu_s_per_item(runs[4, "ours"], runs[12, "ours"])
+        fixed = {system: one_time_cpu_s(runs[4, system], runs[12, system]) for system in ("ours", "peer")}
+        out["smollm2 defaults (extra row): one-time CPU-s, ours"] = fixed["ours"]
+        out["smollm2 defaults (extra row): one-time CPU-s, peer"] = fixed["peer"]
+        out["smollm2 defaults (extra row): four-item ratio if our items cost nothing"] = (
+            runs[4, "peer"]["cpu_seconds"] / fixed["ours"]
+        )
     return out
 
 

@@ -29,6 +29,11 @@ def test_the_long_smollm2_rows_give_the_amortised_and_marginal_ratios():
     assert out["smollm2 defaults, 12 items (extra row): samples per CPU-s ours/peer"] == pytest.approx(114 / 48)
     # the 8 items between: (114 - 52) / 8 = 7.75 CPU-s each for the peer, (48 - 26) / 8 = 2.75 for ours
     assert out["smollm2 defaults, items 5-12 (extra row): CPU-s per item peer/ours"] == pytest.approx(7.75 / 2.75)
+    # what does not grow with the items: 26 - 4 * 2.75 = 15 CPU-s for ours, 52 - 4 * 7.75 = 21 for the peer
+    assert out["smollm2 defaults (extra row): one-time CPU-s, ours"] == pytest.approx(15.0)
+    assert out["smollm2 defaults (extra row): one-time CPU-s, peer"] == pytest.approx(21.0)
+    # even if our items cost nothing, four items would be 52 CPU-s against our 15
+    assert out["smollm2 defaults (extra row): four-item ratio if our items cost nothing"] == pytest.approx(52 / 15)
 
 
 def test_without_the_long_rows_there_is_no_amortised_ratio():
