@@ -51,9 +51,8 @@ def race(probs: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         u = _uniforms(min(step, flat.numel() - start))
         inside = candidates[(candidates >= start) & (candidates < start + u.numel())]
         picked.append(u[inside - start])
-        drawn_zero = u == 0  # odds 2**-53 per entry
-        if bool(drawn_zero.any()):
-            zero.append(drawn_zero.nonzero().squeeze(1) + start)
+        if bool(u.amin() == 0):  # odds 2**-53 per entry; a minimum reads the uniforms once, a mask writes one more
+            zero.append((u == 0).nonzero().squeeze(1) + start)
     q = torch.tensor([-math.log1p(-x) for x in torch.cat(picked).tolist()], dtype=torch.float64)
     scores = flat[candidates] / q.to(torch.float32)
     if zero:
