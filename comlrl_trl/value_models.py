@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .adapters.helpers import zero_partitioned
 from .loading import is_peft_model
 
 
@@ -68,7 +69,7 @@ def gathered_parameters(module: nn.Module, modifier_rank: int | None = None):
     """ZeRO-3 partitions a module's parameters (each process holds a slice, the tensor itself is empty): gather them
     for the block (`modifier_rank`: the process whose changes are kept); every process must enter it. Nothing to do
     for ordinary parameters."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    params = [p for p in module.parameters() if zero_partitioned(p)]
     if not params:
         return nullcontext()
     import deepspeed

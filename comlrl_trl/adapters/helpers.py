@@ -58,10 +58,14 @@ def full_sdpa_attention(config: Any, backbone: nn.Module) -> bool:
     )
 
 
+def zero_partitioned(parameter: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned `parameter` (it marks such parameters with `ds_id`)."""
+    return hasattr(parameter, "ds_id")
+
+
 def zero_partition_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype of `model`'s parameters that DeepSpeed ZeRO-3 partitioned (it marks them with `ds_id`), or None
-    where it partitioned none."""
-    return next((p.dtype for p in model.parameters() if hasattr(p, "ds_id")), None)
+    """The dtype of `model`'s parameters that DeepSpeed ZeRO-3 partitioned, or None where it partitioned none."""
+    return next((p.dtype for p in model.parameters() if zero_partitioned(p)), None)
 
 
 def zero_sharded(model: nn.Module) -> bool:
