@@ -152,7 +152,14 @@ def main() -> None:
     )
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a MAGRPOConfig field")
-    parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions")
+    parser.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the top N functions (by cumulative time; PROFILE_SORT=tottime: own time; PROFILE_CALLERS=REGEX: "
+        "also who calls the functions matching REGEX)",
+    )
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="print the top N torch ops by self CPU time")
     parser.add_argument(
         "--ops-skip", type=int, default=0, metavar="K", help="leave the first K updates out of the op profile"
@@ -246,7 +253,10 @@ def main() -> None:
         )
     )
     if profiler:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
+        stats = pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
+        stats.print_stats(args.cprofile)
+        if os.environ.get("PROFILE_CALLERS"):
+            stats.print_callers(os.environ["PROFILE_CALLERS"])
     if args.ops:
         shapes = bool(os.environ.get("PROFILE_SHAPES"))
         print(ops.key_averages(group_by_input_shape=shapes).table(sort_by="self_cpu_time_total", row_limit=args.ops))
