@@ -127,9 +127,9 @@ def attach_value_head(model, head: nn.Module) -> None:
     and DeepSpeed casts no parameter added later; its optimiser takes one dtype per partition. The head is therefore
     cast to the backbone's dtype there (DeepSpeed keeps fp32 master weights for it all the same).
     """
-    partitioned = zero_partition_dtype(model)
-    if partitioned is not None:
-        head.to(partitioned)
+    partition_dtype = zero_partition_dtype(model)
+    if partition_dtype is not None:
+        head.to(partition_dtype)
     model.value_head = head
     if isinstance(model, PreTrainedModel):
         ignored = set(model._keys_to_ignore_on_save or ())

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters.helpers import zero_partitioned
-from .loading import is_peft_model
+from .loading import base_model
 
 
 VALUE_HEAD_NAME = "value_head.pt"
@@ -114,9 +114,7 @@ def hidden_size(model) -> int:
 
 def decoder_of(model) -> nn.Module:
     """The module producing the last hidden states (no LM head): LoRA layers inside it still apply."""
-    if is_peft_model(model):
-        model = model.get_base_model()
-    return model.get_decoder()
+    return base_model(model).get_decoder()
 
 
 def last_token_values(model, head: nn.Module, input_ids, attention_mask, index) -> torch.Tensor:

@@ -60,7 +60,7 @@ def _is_lora_adapter(model: nn.Module) -> bool:
 
 
 def _base_name(model: nn.Module) -> str:
-    return model.get_base_model().config.name_or_path
+    return base_model(model).config.name_or_path
 
 
 def _base_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
