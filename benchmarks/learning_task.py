@@ -76,21 +76,42 @@ def _complete(model, tokenizer, prompts, max_new_tokens, samples, seed):
     out = model.generate(**batch, **kwargs)
     if was_training:
         model.train()
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    return texts
+    new = out[:, batch["input_ids"].shape[1] :]
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return texts, completion_shape(new.tolist(), texts, tokenizer)
+
+
+def completion_shape(rows, texts, tokenizer) -> dict:
+    """What the reward does not show: mean characters, tokens up to the first EOS (the stopping token) and special
+    tokens before it (a pad token the model chose to emit: dropped from the text, so it shortens a completion
+    without ending it)."""
+    stop = tokenizer.eos_token_id
+    special = set(tokenizer.all_special_ids)
+    lengths, inside = [], []
+    for row in rows:
+        length = row.index(stop) if stop in row else len(row)
+        lengths.append(length)
+        inside.append(sum(token in special for token in row[:length]))
+    count = max(len(rows), 1)
+    return {
+        "chars": sum(len(text) for text in texts) / count,
+        "tokens": sum(lengths) / count,
+        "special_tokens": sum(inside) / count,
+    }
 
 
 def evaluate_team(models, tokenizers, prompts, max_new_tokens=48, samples=4, seed=1234) -> dict:
     """The protocol above for a team of two; returns the sampled, greedy and combined mean rewards."""
     if len(models) != 2:
         raise ValueError(f"the length-ratio task has two agents, got {len(models)} models")
-    result = {}
+    result = {"shape": {}}
     for name, count in (("sampled", samples), ("greedy", 0)):
-        texts = [
+        outputs = [
             _complete(model, tokenizer, prompts, max_new_tokens, count, seed + agent)
             for agent, (model, tokenizer) in enumerate(zip(models, tokenizers))
         ]
-        rewards = length_ratio_reward(*texts)
+        rewards = length_ratio_reward(*(texts for texts, _ in outputs))
         result[name] = sum(rewards) / len(rewards)
+        result["shape"][name] = [shape for _, shape in outputs]
     result["reward"] = (result["sampled"] + result["greedy"]) / 2
     return result

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import learning  # noqa: E402
-from learning_task import length_ratio_reward  # noqa: E402
+from learning_task import completion_shape, length_ratio_reward  # noqa: E402
 
 
 def _run(seed, points):
@@ -73,6 +73,17 @@ def test_the_effective_config_has_the_library_defaults_and_the_row_overrides():
     }
 
 
+def test_an_experiment_key_is_left_out_of_the_config_and_given_to_the_worker():
+    # MAGRPOConfig has no `_logprob_temperature` field: a row with it builds the defaults' config (it would raise
+    # TypeError otherwise), and the worker hands it to TRL's head builder in place of the sampling temperature.
+    assert learning.effective_config({"_logprob_temperature": 1.0}) == learning.effective_config({})
+    import learning_worker
+
+    calls = []
+    learning_worker._head_at(lambda model, **kw: calls.append((model, kw)), 1.0, "m", temperature=0.6, outputs=("x",))
+    assert calls == [("m", {"temperature": 1.0, "outputs": ("x",)})]
+
+
 def test_a_cached_run_is_reused_only_under_the_same_config(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(learning, "run_worker", lambda system, settings: calls.append(system) or {"points": [1]})
@@ -88,3 +99,16 @@ def test_a_cached_run_is_reused_only_under_the_same_config(tmp_path, monkeypatch
     # The peer's runs carry no config of ours and are reused as they are.
     learning.cached_run(tmp_path, "peer-seed0", "peer", {})
     assert learning.cached_run(tmp_path, "peer-seed0", "peer", {}) == {"points": [1]} and calls == ["ours", "peer"]
+
+
+class _Tokenizer:
+    eos_token_id = 2
+    all_special_ids = [0, 1, 2]
+
+
+def test_completion_shape_counts_tokens_up_to_eos_and_the_special_tokens_inside():
+    # Row 1 stops at its EOS (index 3) after one pad token the model emitted inside the text; the pads after the
+    # EOS are padding, not counted. Row 2 has no EOS: all 2 tokens count, none special.
+    rows = [[5, 0, 6, 2, 0, 0], [7, 8]]
+    shape = completion_shape(rows, ["abcd", "ef"], _Tokenizer())
+    assert shape == {"chars": 3.0, "tokens": 2.5, "special_tokens": 0.5}
