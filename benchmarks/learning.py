@@ -68,6 +68,7 @@ CONFIG_FIELDS = (
     "beta",
     "num_iterations",
     "temperature",
+    "logprob_temperature",
     "top_p",
     "top_k",
     "steps_per_generation",
@@ -77,19 +78,12 @@ CONFIG_FIELDS = (
 )
 
 
-#: Row keys that are not MAGRPOConfig fields but experiments of this benchmark (`learning_worker.py`):
-#: `_logprob_temperature` computes the policy's log-probabilities (loss, old and reference) at this temperature
-#: instead of the sampling temperature TRL divides the logits by (the peer computes them at 1).
-EXPERIMENTS = ("_logprob_temperature",)
-
-
 def effective_config(overrides: dict) -> dict:
     """The `CONFIG_FIELDS` of the configuration a run of ours with `overrides` trains with (library defaults
     included), so that a cached run measured under other defaults is not taken for a current one."""
     from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
-    fields = {key: value for key, value in overrides.items() if key not in EXPERIMENTS}
-    config = MAGRPOConfig(output_dir="/tmp/learning-config", report_to="none", **fields)
+    config = MAGRPOConfig(output_dir="/tmp/learning-config", report_to="none", **overrides)
     values = {name: getattr(config, name) for name in CONFIG_FIELDS}
     return {name: value.value if isinstance(value, enum.Enum) else value for name, value in values.items()}
 

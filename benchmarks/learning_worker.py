@@ -72,13 +72,6 @@ def run_ours(s):
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
     overrides = dict(s["overrides"])
-    logprob_temperature = overrides.pop("_logprob_temperature", None)  # an experiment (learning.EXPERIMENTS)
-    if logprob_temperature is not None:
-        # TRL's GRPOTrainer builds its log-probability head with the sampling temperature; build it with this one.
-        import trl.trainer.grpo_trainer as grpo_module
-
-        add_head = grpo_module.add_fused_lm_head
-        grpo_module.add_fused_lm_head = partial(_head_at, add_head, logprob_temperature)
     seed_everything(s["seed"])
     tokenizer, agents = load_team(s["model"])
     config = MAGRPOConfig(
@@ -114,10 +107,6 @@ def run_ours(s):
     clock = Clock()
     trainer.train()
     return points, trainer.state.global_step
-
-
-def _head_at(add_head, logprob_temperature, model, **kwargs):
-    return add_head(model, **{**kwargs, "temperature": logprob_temperature})
 
 
 def run_peer(s):

@@ -128,6 +128,7 @@ RESULT_SETTINGS = (
     "epsilon",
     "epsilon_high",
     "temperature",
+    "logprob_temperature",
     "top_p",
     "top_k",
     "min_p",

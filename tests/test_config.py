@@ -88,6 +88,7 @@ def test_defaults(out):
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
     assert (cfg.temperature, cfg.top_p, cfg.top_k) == (0.6, 0.6, 50)  # CoMLRL's sampling, not TRL's (1.0, 1.0, 0)
+    assert cfg.logprob_temperature == 1.0  # CoMLRL's untempered log-probabilities, not TRL's (the sampling 0.6)
     assert cfg.lr_scheduler_type == "constant"  # CoMLRL's plain AdamW, not TRL's linear decay to 0
     assert cfg.num_agents == 2
     assert cfg.num_turns == 1
@@ -425,3 +426,11 @@ def test_vllm_server_request_timeout_must_be_positive(out):
     assert config(out).vllm_server_request_timeout == 600.0
     with pytest.raises(ValueError, match="vllm_server_request_timeout must be > 0 seconds, got 0"):
         config(out, vllm_server_request_timeout=0)
+
+
+def test_logprob_temperature_is_a_positive_number_or_none(out):
+    assert config(out, logprob_temperature=None).logprob_temperature is None
+    assert config(out, logprob_temperature=0.6).logprob_temperature == 0.6
+    for bad in (0, -1.0, True, "1.0"):
+        with pytest.raises(ValueError, match=rf"logprob_temperature must be a number > 0 .* got {bad!r}"):
+            config(out, logprob_temperature=bad)

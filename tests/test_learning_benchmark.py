@@ -73,17 +73,6 @@ def test_the_effective_config_has_the_library_defaults_and_the_row_overrides():
     }
 
 
-def test_an_experiment_key_is_left_out_of_the_config_and_given_to_the_worker():
-    # MAGRPOConfig has no `_logprob_temperature` field: a row with it builds the defaults' config (it would raise
-    # TypeError otherwise), and the worker hands it to TRL's head builder in place of the sampling temperature.
-    assert learning.effective_config({"_logprob_temperature": 1.0}) == learning.effective_config({})
-    import learning_worker
-
-    calls = []
-    learning_worker._head_at(lambda model, **kw: calls.append((model, kw)), 1.0, "m", temperature=0.6, outputs=("x",))
-    assert calls == [("m", {"temperature": 1.0, "outputs": ("x",)})]
-
-
 def test_a_cached_run_is_reused_only_under_the_same_config(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(learning, "run_worker", lambda system, settings: calls.append(system) or {"points": [1]})

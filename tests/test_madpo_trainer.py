@@ -139,6 +139,7 @@ def test_resume_gives_the_same_weights(qwen_path, make_config, tmp_path):
         (dict(num_turns=2), "num_turns=1 only"),
         (dict(preference_num_candidates=1), "preference_num_candidates must be an integer >= 2"),
         (dict(pair_selection="best"), "pair_selection must be one of"),
+        (dict(logprob_temperature=None), "logprob_temperature=None: MADPO's loss always uses .* temperature 1"),
     ],
 )
 def test_config_errors(make_config, overrides, message):

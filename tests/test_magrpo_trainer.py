@@ -268,12 +268,15 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
         model=qwen_path,
         reward_funcs=trl_reward,
         train_dataset=dataset,
-        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling and constant
-        # learning rate. TRL gets the same settings; they are not TRL's defaults.
+        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling, its
+        # temperature-1 log-probabilities and constant learning rate. TRL gets the same settings, in its own terms
+        # (its temperature is the log-probabilities'; generation_kwargs set the sampling one); they are not its
+        # defaults.
         args=GRPOConfig(
             output_dir=str(tmp_path / "trl"),
             steps_per_generation=2,
-            temperature=0.6,
+            temperature=1.0,
+            generation_kwargs={"temperature": 0.6},
             top_p=0.6,
             top_k=50,
             lr_scheduler_type="constant",
@@ -457,3 +460,28 @@ def test_by_default_every_agent_keeps_its_learning_rate(qwen_path, make_config):
     for agent in trainer.agent_trainers:  # every parameter group (with and without weight decay) of every agent
         assert agent.lr_scheduler.get_last_lr() == [0.01] * len(agent.optimizer.param_groups)
         assert [group["lr"] for group in agent.optimizer.param_groups] == [0.01] * len(agent.optimizer.param_groups)
+
+
+@pytest.mark.parametrize(
+    "logprob_temperature, agent_overrides, expected",
+    [
+        # (sampling, log-probability) temperature of agents 0 and 1
+        (1.0, None, [(0.6, 1.0), (0.6, 1.0)]),
+        (None, None, [(0.6, 0.6), (0.6, 0.6)]),
+        (None, [{}, {"temperature": 0.9}], [(0.6, 0.6), (0.9, 0.9)]),
+        (0.8, [{}, {"temperature": 0.9}], [(0.6, 0.8), (0.9, 0.8)]),
+        (1.0, [{}, {"generation_kwargs": {"temperature": 0.7}}], [(0.6, 1.0), (0.7, 1.0)]),  # the user's wins
+    ],
+)
+def test_agents_sample_at_temperature_and_train_log_probabilities_at_logprob_temperature(
+    make_team, logprob_temperature, agent_overrides, expected
+):
+    team = make_team(temperature=0.6, logprob_temperature=logprob_temperature, agent_overrides=agent_overrides)
+    for agent, (sampling, logprob) in zip(team.agent_trainers, expected):
+        assert agent.generation_config.temperature == sampling
+        assert agent.temperature == logprob  # TRL's log-probability heads and loss divide the logits by it
+    # The configurations say what the user set, not TRL's rewriting.
+    assert [agent.args.temperature for agent in team.agent_trainers] == [
+        (overrides or {}).get("temperature", 0.6) for overrides in (agent_overrides or [{}, {}])
+    ]
+    assert team.agent_trainers[0].args.generation_kwargs is None

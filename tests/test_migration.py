@@ -272,8 +272,8 @@ def test_compat_recipe_config_sets_comlrl_defaults(tmp_path):
 
 def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_dataset, make_config):
     """With the compat settings the gradient is CoMLRL's REINFORCE loss, -mean_k(A_k * sum_t log pi(y_kt)), divided
-    by max_completion_length (a constant that AdamW cancels). Checked at temperature 1, where both compute the
-    log-probabilities of the same distribution."""
+    by max_completion_length (a constant that AdamW cancels). Sampled at temperature 0.6: both train the
+    log-probabilities of the untempered distribution (the default logprob_temperature=1.0, CoMLRL's)."""
     import torch
     from transformers import TrainerCallback
 
@@ -312,7 +312,7 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
             num_agents=1,
             loss_type="dr_grpo",
             max_grad_norm=0,
-            temperature=1.0,
+            temperature=0.6,
             top_p=1.0,  # the whole distribution: top-p 0.6 would keep only the biased EOS
             top_k=0,
             max_new_tokens=max_len,

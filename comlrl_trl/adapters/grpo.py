@@ -129,6 +129,10 @@ class AgentGRPOTrainer(GRPOTrainer):
     _warned_truncation = False
     _ratio_for: dict[str, Any] | None = None  # the micro-batch whose importance-sampling ratio the loss forward gives
 
+    def __init__(self, *, args, **kwargs):
+        with _trl_temperatures(args):
+            super().__init__(args=args, **kwargs)
+
     def tag_model(self, tags: tuple[str, ...]) -> None:
         """Tag this agent's model (and its model card) for the Hub with its team's family (TRL's `_tag_names`)."""
         self._tag_names = list(tags)
@@ -189,7 +193,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         """
         self.use_vllm = True
         self.vllm_importance_sampling_correction = resolve_correction(
-            self.args.vllm_importance_sampling_correction, self.top_p, self.top_k, self.min_p, self.agent_index
+            self.args.vllm_importance_sampling_correction,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.agent_index,
+            sampling_temperature=self.args.temperature,  # the engines sample at the configuration's temperature
+            logprob_temperature=self.temperature,  # TRL's: its log-probability heads divide the logits by it
         )
         self.vllm_generation = _TeamEngineSync(engines, self)
         self._last_loaded_step = -1  # sync before the first generation (weights may have been loaded since)
@@ -509,6 +519,30 @@ def _engine_rollout(prompts: list, trainer: AgentGRPOTrainer) -> dict[str, Any]:
         raise ValueError("use_vllm=True generates from text prompts only; these prompts hold images.")
     completion_ids, logprobs = trainer.vllm_generation.engines.generate(trainer.agent_index, prompt_ids)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+@contextmanager
+def _trl_temperatures(args):
+    """Build TRL's `GRPOTrainer` inside so that it samples at `args.temperature` and computes the policy's
+    log-probabilities at `args.logprob_temperature` (None: the sampling temperature).
+
+    TRL has one `temperature` for both: its log-probability heads (loss, old and reference log-probabilities) and
+    its generation config, which `generation_kwargs` then override. So TRL is given the log-probability temperature
+    as `temperature` and the sampling one in `generation_kwargs` (where a `"temperature"` the user put there wins, as
+    in TRL). `args` holds the user's values again afterwards; the trainer keeps TRL's (`self.temperature`: the
+    log-probabilities', `self.generation_config.temperature`: the sampling one).
+    """
+    sampling, generation_kwargs = args.temperature, args.generation_kwargs
+    logprob = getattr(args, "logprob_temperature", None)
+    if logprob is None or logprob == sampling:
+        yield
+        return
+    args.temperature = logprob
+    args.generation_kwargs = {"temperature": sampling, **(generation_kwargs or {})}
+    try:
+        yield
+    finally:
+        args.temperature, args.generation_kwargs = sampling, generation_kwargs
 
 
 _TRL_UTILS = importlib.import_module("trl.trainer.utils")

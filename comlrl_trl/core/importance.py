@@ -27,17 +27,33 @@ def sampling_truncates(top_p: float | None, top_k: int | None, min_p: float | No
 
 
 def resolve_correction(
-    setting: bool | None, top_p: float | None, top_k: int | None, min_p: float | None, agent_index: int
+    setting: bool | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    agent_index: int,
+    *,
+    sampling_temperature: float,
+    logprob_temperature: float,
 ) -> bool:
     """Whether an agent corrects its vLLM samples (`vllm_importance_sampling_correction`, `setting`).
 
     Under truncated sampling the ratio is below 1 for nearly every token, so TRL's default `sequence_mask` would
-    drop nearly every sequence from the loss. Unset (None), the correction is on only where sampling does not
-    truncate; set True with truncated sampling, it is refused.
+    drop nearly every sequence from the loss; where the loss's log-probabilities are at another temperature than
+    the sampling one (`logprob_temperature`), the ratio measures the two temperatures, not the engine. Unset (None),
+    the correction is on only where neither is the case; set True where one is, it is refused.
     """
     truncates = sampling_truncates(top_p, top_k, min_p)
     if setting is None:
-        return not truncates
+        return not truncates and logprob_temperature == sampling_temperature
+    if setting and logprob_temperature != sampling_temperature:
+        raise ValueError(
+            f"Agent {agent_index}: vllm_importance_sampling_correction=True with logprob_temperature="
+            f"{logprob_temperature} and temperature={sampling_temperature}. vLLM's log-probabilities are those of the "
+            "distribution it samples, the loss's are at logprob_temperature, so the ratio would weight samples by "
+            "the temperature gap, not by the engine's. Set logprob_temperature=None (the sampling temperature) to "
+            "correct for the engine, or leave vllm_importance_sampling_correction unset (None)."
+        )
     if setting and truncates:
         raise ValueError(
             f"Agent {agent_index}: vllm_importance_sampling_correction=True with truncated sampling "

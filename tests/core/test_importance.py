@@ -76,18 +76,37 @@ def test_sampling_truncates_when_any_filter_leaves_tokens_out(top_p, top_k, min_
     assert sampling_truncates(top_p, top_k, min_p) is truncates
 
 
+# Log-probabilities at the sampling temperature (logprob_temperature=None, or equal to it).
+ALIKE = dict(sampling_temperature=0.6, logprob_temperature=0.6)
+
+
 def test_unset_correction_is_on_only_for_untruncated_sampling():
-    assert resolve_correction(None, 1.0, 0, None, 0) is True
-    assert resolve_correction(None, 0.6, 50, None, 0) is False
-    assert resolve_correction(None, 1.0, 0, 0.1, 0) is False
+    assert resolve_correction(None, 1.0, 0, None, 0, **ALIKE) is True
+    assert resolve_correction(None, 0.6, 50, None, 0, **ALIKE) is False
+    assert resolve_correction(None, 1.0, 0, 0.1, 0, **ALIKE) is False
 
 
 def test_an_explicit_setting_is_kept_where_it_is_sound():
-    assert resolve_correction(True, 1.0, 0, None, 0) is True
-    assert resolve_correction(False, 1.0, 0, None, 0) is False
-    assert resolve_correction(False, 0.6, 50, None, 0) is False
+    assert resolve_correction(True, 1.0, 0, None, 0, **ALIKE) is True
+    assert resolve_correction(False, 1.0, 0, None, 0, **ALIKE) is False
+    assert resolve_correction(False, 0.6, 50, None, 0, **ALIKE) is False
 
 
 def test_correction_with_truncated_sampling_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"Agent 1: vllm_importance_sampling_correction=True .*top_p=0.9.*top_p=1.0"):
-        resolve_correction(True, 0.9, 0, None, 1)
+        resolve_correction(True, 0.9, 0, None, 1, **ALIKE)
+
+
+def test_unset_correction_is_off_where_log_probabilities_are_at_another_temperature():
+    # Untruncated sampling at 0.6 while the loss trains temperature-1 log-probabilities (the default): exp(trainer -
+    # engine) would be p_1(token) / p_0.6(token), a weight from the temperatures alone.
+    assert resolve_correction(None, 1.0, 0, None, 0, sampling_temperature=0.6, logprob_temperature=1.0) is False
+    assert resolve_correction(None, 1.0, 0, None, 0, sampling_temperature=1.0, logprob_temperature=1.0) is True
+
+
+def test_correction_at_another_log_probability_temperature_is_refused_with_the_fix():
+    with pytest.raises(
+        ValueError, match=r"Agent 2: .*logprob_temperature=1.0 and temperature=0.6.*Set logprob_temperature=None"
+    ):
+        resolve_correction(True, 1.0, 0, None, 2, sampling_temperature=0.6, logprob_temperature=1.0)
+    assert resolve_correction(False, 1.0, 0, None, 2, sampling_temperature=0.6, logprob_temperature=1.0) is False

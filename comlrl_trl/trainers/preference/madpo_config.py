@@ -57,4 +57,9 @@ class MADPOConfig(PreferenceConfig):
                 "for the DPO temperature and use_reference_model=True for a reference model."
             )
         self.beta = reference_beta  # TRL's GRPOTrainer loads a reference model per agent iff beta != 0
+        if self.logprob_temperature != 1.0:
+            raise ValueError(
+                f"logprob_temperature={self.logprob_temperature!r}: MADPO's loss always uses log-probabilities at "
+                "temperature 1 (the sampling temperature only shapes exploration); leave logprob_temperature at 1.0."
+            )
         super().__post_init__()
