@@ -88,7 +88,7 @@ def test_defaults(out):
     assert cfg.shuffle_dataset is False
     assert cfg.save_strategy == "no"
     assert (cfg.temperature, cfg.top_p, cfg.top_k) == (0.6, 0.6, 50)  # CoMLRL's sampling, not TRL's (1.0, 1.0, 0)
-    assert cfg.logprob_temperature == 1.0  # CoMLRL's untempered log-probabilities, not TRL's (the sampling 0.6)
+    assert cfg.logprob_temperature is None  # TRL's log-probabilities, at the sampling temperature (CoMLRL's: 1.0)
     assert cfg.lr_scheduler_type == "constant"  # CoMLRL's plain AdamW, not TRL's linear decay to 0
     assert cfg.num_agents == 2
     assert cfg.num_turns == 1

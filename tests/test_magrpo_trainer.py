@@ -243,7 +243,16 @@ def test_evaluate_without_eval_dataset_is_empty(qwen_path, prompts_dataset, make
     assert trainer.evaluate() == {}
 
 
-def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
+@pytest.mark.parametrize(
+    "logprob_temperature, trl_temperatures",
+    [
+        (None, dict(temperature=0.6)),  # the default: log-probabilities at the sampling temperature, as TRL
+        # CoMLRL's temperature-1 log-probabilities, in TRL's terms: its temperature is the log-probabilities', and
+        # generation_kwargs set the sampling one.
+        (1.0, dict(temperature=1.0, generation_kwargs={"temperature": 0.6})),
+    ],
+)
+def test_one_agent_matches_trl_grpo(qwen_path, tmp_path, logprob_temperature, trl_temperatures):
     """With N=1, MAGRPO is GRPO: same seed and data give the same rewards, losses and weights as TRL."""
     dataset = _items(6)
     common = dict(
@@ -268,15 +277,12 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
         model=qwen_path,
         reward_funcs=trl_reward,
         train_dataset=dataset,
-        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling, its
-        # temperature-1 log-probabilities and constant learning rate. TRL gets the same settings, in its own terms
-        # (its temperature is the log-probabilities'; generation_kwargs set the sampling one); they are not its
-        # defaults.
+        # Our default samples two updates' items at once (6 items: 3 generations) with CoMLRL's sampling and constant
+        # learning rate. TRL gets the same settings; they are not TRL's defaults.
         args=GRPOConfig(
             output_dir=str(tmp_path / "trl"),
             steps_per_generation=2,
-            temperature=1.0,
-            generation_kwargs={"temperature": 0.6},
+            **trl_temperatures,
             top_p=0.6,
             top_k=50,
             lr_scheduler_type="constant",
@@ -289,7 +295,9 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path):
         num_agents=1,
         reward_func=lambda c: [float(len(x)) for x in c],
         train_dataset=dataset,
-        args=_magrpo_config(tmp_path / "ours", num_agents=1, eval_interval=0, **common),
+        args=_magrpo_config(
+            tmp_path / "ours", num_agents=1, eval_interval=0, logprob_temperature=logprob_temperature, **common
+        ),
     )
     assert ours.args.steps_per_generation == 2
     ours.train()

@@ -256,7 +256,7 @@ def test_compat_recipe_config_sets_comlrl_defaults(tmp_path):
         4,
         256,
     )
-    assert (config.temperature, config.top_p, config.top_k) == (0.6, 0.6, 50)
+    assert (config.temperature, config.top_p, config.top_k, config.logprob_temperature) == (0.6, 0.6, 50, 1.0)
     assert config.lr_scheduler_type == "constant" and config.weight_decay == 0.01 and config.max_grad_norm == 0
     assert config.loss_type == "dr_grpo" and config.beta == 0.0 and not config.gradient_checkpointing
     assert config.per_device_train_batch_size == 2 * 4 and config.steps_per_generation == 1  # 2 items per step
@@ -273,7 +273,7 @@ def test_compat_recipe_config_sets_comlrl_defaults(tmp_path):
 def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_dataset, make_config):
     """With the compat settings the gradient is CoMLRL's REINFORCE loss, -mean_k(A_k * sum_t log pi(y_kt)), divided
     by max_completion_length (a constant that AdamW cancels). Sampled at temperature 0.6: both train the
-    log-probabilities of the untempered distribution (the default logprob_temperature=1.0, CoMLRL's)."""
+    log-probabilities of the untempered distribution (logprob_temperature=1.0, CoMLRL's)."""
     import torch
     from transformers import TrainerCallback
 
@@ -313,6 +313,7 @@ def test_dr_grpo_on_policy_is_comlrls_summed_log_prob_loss(qwen_path, prompts_da
             loss_type="dr_grpo",
             max_grad_norm=0,
             temperature=0.6,
+            logprob_temperature=1.0,
             top_p=1.0,  # the whole distribution: top-p 0.6 would keep only the biased EOS
             top_k=0,
             max_new_tokens=max_len,

@@ -238,9 +238,8 @@ def test_a_lora_team_trains_through_the_server(server, steer_path, make_config, 
         max_new_tokens=MAX_NEW,
         max_steps=2,
         bf16=False,
-        top_p=1.0,  # untruncated sampling at the log-probabilities' temperature: the correction is on
+        top_p=1.0,  # untruncated sampling: the importance-sampling correction is on
         top_k=0,
-        temperature=1.0,
     )
     trainer = MAGRPOTrainer(
         agent_model=steer_path,

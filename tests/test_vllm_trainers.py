@@ -118,18 +118,9 @@ def _changed(before, trainer) -> list[bool]:
 
 
 def _vllm_config(make_config, config_cls=None, **overrides):
-    # Untruncated sampling at the log-probabilities' temperature: the importance-sampling correction is on (under the
-    # default top-p/top-k, or the default sampling temperature 0.6 against logprob_temperature 1.0, it is off).
-    settings = dict(
-        use_vllm=True,
-        num_generations=2,
-        max_new_tokens=6,
-        max_steps=2,
-        bf16=False,
-        top_p=1.0,
-        top_k=0,
-        temperature=1.0,
-    )
+    # Untruncated sampling: the importance-sampling correction is on (under the default top-p/top-k, or with
+    # logprob_temperature away from the sampling temperature, it is off).
+    settings = dict(use_vllm=True, num_generations=2, max_new_tokens=6, max_steps=2, bf16=False, top_p=1.0, top_k=0)
     settings.update(overrides)
     return make_config(**settings) if config_cls is None else make_config(config_cls, **settings)
 
@@ -197,7 +188,7 @@ def test_under_the_default_truncated_sampling_the_correction_is_off_and_every_ag
 
 def test_with_log_probabilities_at_another_temperature_the_unset_correction_is_off(model_path, make_config):
     # Untruncated sampling at 0.6, the loss's log-probabilities at 1.0: the ratio would be p_1 / p_0.6 per token.
-    args = _vllm_config(make_config, temperature=0.6, max_steps=1)
+    args = _vllm_config(make_config, temperature=0.6, logprob_temperature=1.0, max_steps=1)
     trainer = MAGRPOTrainer(agent_model=model_path, reward_func=length_reward, train_dataset=ITEMS, args=args)
     assert [agent.vllm_importance_sampling_correction for agent in trainer.agent_trainers] == [False, False]
     trainer.train()

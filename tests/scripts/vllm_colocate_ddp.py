@@ -47,9 +47,8 @@ def main(output_dir: str, model_path: str) -> None:
         seed=0,
         use_vllm=True,
         steps_per_generation=1,  # one generation per step
-        top_p=1.0,  # untruncated sampling at the log-probabilities' temperature: the correction is on
+        top_p=1.0,  # untruncated sampling: the importance-sampling correction is on
         top_k=0,
-        temperature=1.0,
     )
     trainer = MAGRPOTrainer(agent_model=model_path, reward_func=reward, train_dataset=dataset, args=config)
     engine = trainer.generation_engines

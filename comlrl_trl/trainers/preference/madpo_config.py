@@ -39,6 +39,9 @@ class MADPOConfig(PreferenceConfig):
     num_generations: int | None = field(
         default=None, metadata={"help": "Always preference_num_candidates (candidates per task item)."}
     )
+    logprob_temperature: float | None = field(
+        default=1.0, metadata={"help": "Always 1.0: the DPO loss uses log-probabilities at temperature 1."}
+    )
 
     def __post_init__(self):
         if isinstance(self.dpo_beta, bool) or not isinstance(self.dpo_beta, (int, float)) or self.dpo_beta <= 0:

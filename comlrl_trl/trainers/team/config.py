@@ -76,13 +76,14 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             Completions per agent per task item (K). Must be at least 2 (the baseline needs a group).
         temperature (`float`, *optional*, defaults to `0.6`):
             Sampling temperature.
-        logprob_temperature (`float` or `None`, *optional*, defaults to `1.0`):
+        logprob_temperature (`float` or `None`, *optional*, defaults to `None`):
             Temperature of the log-probabilities the policy loss trains (the loss's, the old and the reference
-            ones): the logits are divided by it. `1.0` trains the model's own distribution on samples drawn at
-            `temperature`, as CoMLRL does; `None` uses the sampling `temperature`, as TRL's GRPO does. On the
-            tutorial, evaluated alike over five seeds, the agents reached 0.653 with `1.0` against 0.578 with
-            `None` (the peer: 0.642) at the same CPU time (docs/benchmarks.md, "Learning"). TRL expresses it too:
-            its `temperature` set to this value, with the sampling temperature in `generation_kwargs`.
+            ones): the logits are divided by it. `None` uses the sampling `temperature`, as TRL's GRPO does: the
+            gradient is that of the policy being sampled. `1.0` trains the model's own distribution on samples drawn
+            at `temperature`, as CoMLRL does. Measured (docs/benchmarks.md, "Learning"): on the fully fine-tuned
+            tutorial `1.0` learned more (five seeds: 0.653 against 0.578, higher on every seed), on the LoRA demo
+            much less (evaluation 0.57 and 0.54 against 0.79 and 0.79, two seeds), so the default stays TRL's. TRL
+            expresses it too: its `temperature` set to this value, the sampling temperature in `generation_kwargs`.
         top_p (`float`, *optional*, defaults to `0.6`):
             Nucleus sampling: sample among the most likely tokens that hold this much probability.
         top_k (`int` or `None`, *optional*, defaults to `50`):
@@ -294,10 +295,10 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     # Sampling: CoMLRL's values. At TRL's temperature 1.0 (no top-p or top-k) the agents learned less per update
     # on the tutorial, evaluated alike (docs/benchmarks.md, "Learning").
     temperature: float = field(default=0.6, metadata={"help": "Sampling temperature."})
-    # CoMLRL's log-probabilities: the untempered policy's. The agents learned more per epoch with them than with TRL's
-    # (logits divided by the sampling temperature) on the tutorial, evaluated alike (docs/benchmarks.md, "Learning").
+    # TRL's log-probabilities (at the sampling temperature). CoMLRL's, at temperature 1, learned more on the fully
+    # fine-tuned tutorial and much less on the LoRA demo (docs/benchmarks.md, "Learning").
     logprob_temperature: float | None = field(
-        default=1.0,
+        default=None,
         metadata={
             "help": "Temperature of the policy's log-probabilities in the loss; None: the sampling temperature (TRL)."
         },
@@ -485,8 +486,8 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             or not self.logprob_temperature > 0
         ):
             raise ValueError(
-                "logprob_temperature must be a number > 0 (1.0: the model's own distribution) or None (the sampling "
-                f"temperature, as TRL's GRPO), got {self.logprob_temperature!r}."
+                "logprob_temperature must be a number > 0 (1.0: the model's own distribution, as CoMLRL) or None (the "
+                f"sampling temperature, as TRL's GRPO), got {self.logprob_temperature!r}."
             )
         if self.logging_steps < 1:
             raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
