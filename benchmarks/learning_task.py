@@ -9,6 +9,9 @@ samples at during training, so that rewards are comparable across packages:
   completion;
 - the tutorial's length-ratio reward of each joint completion (agent 0's and agent 1's i-th completions);
 - the score is the mean of the sampled mean and the greedy mean.
+
+Reported beside the score, not in it: `sampled_as_trained`, the same samples drawn with the tutorial's training
+sampling settings (temperature 0.6, top-p 0.6, top-k 50, both packages' defaults), the distribution a run trains.
 """
 
 import math
@@ -58,9 +61,16 @@ def length_ratio_reward(completions1, completions2, target_min=2.0, target_max=3
     return rewards
 
 
+#: Sampling of the protocol's `sampled` half: the model's own distribution.
+UNTEMPERED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+#: The tutorial's training sampling (both packages' defaults), for `sampled_as_trained`.
+AS_TRAINED = {"temperature": 0.6, "top_p": 0.6, "top_k": 50}
+
+
 @torch.no_grad()
-def _complete(model, tokenizer, prompts, max_new_tokens, samples, seed):
-    """`samples` completions per prompt (0: one greedy completion), decoded without special tokens."""
+def _complete(model, tokenizer, prompts, max_new_tokens, samples, seed, sampling=UNTEMPERED):
+    """`samples` completions per prompt with `sampling` (0: one greedy completion), decoded without special
+    tokens."""
     was_training = model.training
     model.eval()
     tokenizer.padding_side = "left"
@@ -69,7 +79,7 @@ def _complete(model, tokenizer, prompts, max_new_tokens, samples, seed):
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     if samples:
-        kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=samples)
+        kwargs.update(do_sample=True, **sampling, num_return_sequences=samples)
         torch.manual_seed(seed)
     else:
         kwargs.update(do_sample=False)
@@ -101,13 +111,18 @@ def completion_shape(rows, texts, tokenizer) -> dict:
 
 
 def evaluate_team(models, tokenizers, prompts, max_new_tokens=48, samples=4, seed=1234) -> dict:
-    """The protocol above for a team of two; returns the sampled, greedy and combined mean rewards."""
+    """The protocol above for a team of two; returns the sampled, greedy and combined mean rewards, and the
+    sampled one at the training settings."""
     if len(models) != 2:
         raise ValueError(f"the length-ratio task has two agents, got {len(models)} models")
     result = {"shape": {}}
-    for name, count in (("sampled", samples), ("greedy", 0)):
+    for name, count, sampling in (
+        ("sampled", samples, UNTEMPERED),
+        ("greedy", 0, UNTEMPERED),
+        ("sampled_as_trained", samples, AS_TRAINED),
+    ):
         outputs = [
-            _complete(model, tokenizer, prompts, max_new_tokens, count, seed + agent)
+            _complete(model, tokenizer, prompts, max_new_tokens, count, seed + agent, sampling)
             for agent, (model, tokenizer) in enumerate(zip(models, tokenizers))
         ]
         rewards = length_ratio_reward(*(texts for texts, _ in outputs))

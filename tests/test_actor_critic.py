@@ -544,3 +544,17 @@ def test_a_head_on_a_zero3_partitioned_backbone_takes_its_dtype_and_otherwise_st
     attach_value_head(partitioned, ValueHead(4, hidden_dim=3))
     assert {p.dtype for p in partitioned.value_head.parameters()} == {torch.bfloat16}
     assert partitioned.value_head.net[0].weight.shape == (3, 4)  # the whole head, not only its output layer
+
+
+def test_actors_train_log_probabilities_at_logprob_temperature_and_sample_at_temperature(qwen_path, make_config):
+    trainer = IACTrainer(
+        agent_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, use_separate_critic=False, temperature=0.7, logprob_temperature=1.0, max_steps=1),
+    )
+    for actor in trainer.agent_trainers:
+        assert (actor.generation_config.temperature, actor.temperature) == (0.7, 1.0)
+    before = [snapshot(model) for model in trainer.agents]
+    trainer.train()
+    assert all(changed(before[i], model) for i, model in enumerate(trainer.agents))

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import learning  # noqa: E402
-from learning_task import completion_shape, length_ratio_reward  # noqa: E402
+from learning_task import completion_shape, evaluate_team, length_ratio_reward  # noqa: E402
 
 
 def _run(seed, points):
@@ -101,3 +101,63 @@ def test_completion_shape_counts_tokens_up_to_eos_and_the_special_tokens_inside(
     rows = [[5, 0, 6, 2, 0, 0], [7, 8]]
     shape = completion_shape(rows, ["abcd", "ef"], _Tokenizer())
     assert shape == {"chars": 3.0, "tokens": 2.5, "special_tokens": 0.5}
+
+
+class _Batch(dict):
+    def to(self, device):
+        return self
+
+
+class _XTokenizer:
+    """Every token decodes to one "x"; token 0 is the EOS and pad token."""
+
+    eos_token_id = pad_token_id = 0
+    pad_token = "<eos>"
+    all_special_ids = [0]
+
+    def __call__(self, prompts, **kwargs):
+        import torch
+
+        return _Batch(input_ids=torch.ones(len(prompts), 3, dtype=torch.long))
+
+    def batch_decode(self, rows, skip_special_tokens):
+        return ["x" * sum(1 for token in row if token != 0) for row in rows.tolist()]
+
+
+class _Model:
+    """Generates `lengths[setting]` tokens per row, the setting read from generate's sampling arguments."""
+
+    training, device = False, "cpu"
+
+    def __init__(self, lengths):
+        self.lengths, self.calls = lengths, []
+
+    def eval(self):
+        pass
+
+    def generate(self, input_ids, **kwargs):
+        import torch
+
+        self.calls.append(kwargs)
+        setting = "greedy" if not kwargs["do_sample"] else ("T0.6" if kwargs["temperature"] == 0.6 else "T1")
+        rows = input_ids.size(0) * kwargs.get("num_return_sequences", 1)
+        new = torch.full((rows, 8), 0, dtype=torch.long)
+        new[:, : self.lengths[setting]] = 5
+        return torch.cat([torch.ones(rows, 3, dtype=torch.long), new], dim=1)
+
+
+def test_the_evaluation_scores_untempered_samples_and_greedy_and_reports_the_training_sampling_beside():
+    # Agent 0 writes 2 characters; agent 1 writes 5 untempered (ratio 2.5: reward 1), 2 greedy (ratio 1, 1 below
+    # 2: exp(-1)) and 8 at the training settings (ratio 4, 1 above 3: exp(-1)).
+    brief, detailed = _Model({"T1": 2, "greedy": 2, "T0.6": 2}), _Model({"T1": 5, "greedy": 2, "T0.6": 8})
+    result = evaluate_team([brief, detailed], [_XTokenizer(), _XTokenizer()], ["a", "b"], max_new_tokens=8, samples=3)
+    assert result["sampled"] == pytest.approx(1.0)
+    assert result["greedy"] == pytest.approx(math.exp(-1.0))
+    assert result["reward"] == pytest.approx((1.0 + math.exp(-1.0)) / 2)  # the training sampling is not in it
+    assert result["sampled_as_trained"] == pytest.approx(math.exp(-1.0))
+    sampling = [{k: call.get(k) for k in ("do_sample", "temperature", "top_p", "top_k")} for call in detailed.calls]
+    assert sampling == [
+        {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None},
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.6, "top_k": 50},
+    ]
