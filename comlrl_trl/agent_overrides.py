@@ -2,9 +2,10 @@
 
 Every agent of a team is a TRL trainer built from its own copy of the configuration. `agent_overrides` holds one
 dict per agent (`{}` keeps the configuration's values); its keys replace the fields below in that agent's copy
-only, so the agent's optimizer, LR scheduler and generation config follow them (and, with
-`logprob_temperature=None`, its log-probabilities: they are then at the agent's sampling temperature). Everything else is a team setting: the rollout tree, the batch arithmetic and
-the loop must be the same for every agent, so other fields are refused here.
+only, so the agent's optimizer, LR scheduler and generation config follow them (and, with the default
+`logprob_temperature=None`, its log-probabilities, which are then at the agent's sampling temperature). Everything
+else is a team setting: the rollout tree, the batch arithmetic and the loop must be the same for every agent, so
+other fields are refused here.
 """
 
 import copy

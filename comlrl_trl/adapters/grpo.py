@@ -533,7 +533,7 @@ def _trl_temperatures(args):
     log-probabilities', `self.generation_config.temperature`: the sampling one).
     """
     sampling, generation_kwargs = args.temperature, args.generation_kwargs
-    logprob = getattr(args, "logprob_temperature", None)
+    logprob = args.logprob_temperature
     if logprob is None or logprob == sampling:
         yield
         return
