@@ -71,7 +71,6 @@ def run_ours(s):
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
-    overrides = dict(s["overrides"])
     seed_everything(s["seed"])
     tokenizer, agents = load_team(s["model"])
     config = MAGRPOConfig(
@@ -85,7 +84,7 @@ def run_ours(s):
         seed=s["seed"],
         report_to="none",
         disable_tqdm=True,
-        **overrides,
+        **s["overrides"],
     )
     points = []
     clock = None

@@ -431,6 +431,6 @@ def test_vllm_server_request_timeout_must_be_positive(out):
 def test_logprob_temperature_is_a_positive_number_or_none(out):
     assert config(out, logprob_temperature=None).logprob_temperature is None
     assert config(out, logprob_temperature=0.6).logprob_temperature == 0.6
-    for bad in (0, -1.0, True, "1.0"):
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1.0"):
         with pytest.raises(ValueError, match=rf"logprob_temperature must be a number > 0 .* got {bad!r}"):
             config(out, logprob_temperature=bad)

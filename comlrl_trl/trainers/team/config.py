@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from trl import GRPOConfig
 
-from ...agent_overrides import validate_agent_overrides
+from ...agent_overrides import _positive, validate_agent_overrides
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
 from ...hardware import bf16_is_fast, cpu_bf16_pays_off
@@ -480,13 +480,9 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             raise ValueError(
                 f"beta is the KL coefficient and must be >= 0 (0: no reference model), got {self.beta!r}."
             )
-        if self.logprob_temperature is not None and (
-            isinstance(self.logprob_temperature, bool)
-            or not isinstance(self.logprob_temperature, (int, float))
-            or not self.logprob_temperature > 0
-        ):
+        if self.logprob_temperature is not None and (problem := _positive(self.logprob_temperature)):
             raise ValueError(
-                "logprob_temperature must be a number > 0 (1.0: the model's own distribution, as CoMLRL) or None (the "
+                f"logprob_temperature must be {problem} (1.0: the model's own distribution, as CoMLRL) or None (the "
                 f"sampling temperature, as TRL's GRPO), got {self.logprob_temperature!r}."
             )
         if self.logging_steps < 1:
