@@ -212,6 +212,11 @@ def main():
         "--row-seeds", type=int, nargs="+", default=None, help="seeds of the --row runs (default: --seeds)"
     )
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="prompts as the chat template's text of one user message (runs named *-chat)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument(
         "--runs-dir", type=Path, default=RESULTS / "learning-runs", help="each run's result, reused when present"
@@ -223,6 +228,8 @@ def main():
     from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
 
     base = {"model": demo_model_path(), "epochs": args.epochs, "lr": 5e-5, "k": 4, "tokens": 48, "eval_samples": 4}
+    base["chat"] = args.chat
+    runs_suffix = "-chat" if args.chat else ""
     if "peer" in args.systems:
         ensure_peer_venv()
     row_seeds = args.seeds if args.row_seeds is None else args.row_seeds
@@ -234,7 +241,9 @@ def main():
     }
 
     print("evaluating the untrained team ...", flush=True)
-    initial = cached_run(args.runs_dir, "initial", "initial", dict(base, seed=0, output_dir="/tmp/learning-initial"))
+    initial = cached_run(
+        args.runs_dir, f"initial{runs_suffix}", "initial", dict(base, seed=0, output_dir="/tmp/learning-initial")
+    )
     initial = initial["points"][0]
     rows = {}
     for seed in sorted(set(args.seeds) | set(row_seeds)):  # seeds outermost: a stopped run has every row of the first
@@ -243,7 +252,7 @@ def main():
                 continue
             settings = dict(base, seed=seed, output_dir=f"/tmp/learning-{system}-{seed}", overrides=overrides)
             print(f"{label}, seed {seed} ...", flush=True)
-            run = cached_run(args.runs_dir, f"{slug(label)}-seed{seed}", system, settings, configs[label])
+            run = cached_run(args.runs_dir, f"{slug(label)}{runs_suffix}-seed{seed}", system, settings, configs[label])
             run["seed"] = seed
             rows.setdefault(label, {"system": system, "overrides": overrides, "runs": []})["runs"].append(run)
             print(

@@ -4,7 +4,8 @@ Imports nothing from either package (the peer's worker runs in its own virtual e
 transformers. The protocol scores a team on fixed prompts with fixed sampling settings, whatever each package
 samples at during training, so that rewards are comparable across packages:
 
-- the prompts as plain text (no chat template), `max_new_tokens` new tokens;
+- the prompts as plain text (no chat template; with `--chat`, the chat template's text of one user message, as in
+  training), `max_new_tokens` new tokens;
 - `samples` completions per prompt at temperature 1.0 (no top-p or top-k) from a fixed seed, and one greedy
   completion;
 - the tutorial's length-ratio reward of each joint completion (agent 0's and agent 1's i-th completions);
@@ -46,6 +47,15 @@ HELD_OUT_PROMPTS = [
     "Invent a new kind of vehicle:",
     "Design a school on the moon:",
 ]
+
+
+def as_chat_text(tokenizer, prompts):
+    """`prompts` as the text of one user message each under the tokenizer's chat template, ready for the assistant's
+    answer (both packages then tokenize the same text; `learning.py --chat`)."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
 
 
 def length_ratio_reward(completions1, completions2, target_min=2.0, target_max=3.0):

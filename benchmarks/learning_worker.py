@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learning_task import HELD_OUT_PROMPTS, TRAIN_PROMPTS, evaluate_team, length_ratio_reward  # noqa: E402
+from learning_task import HELD_OUT_PROMPTS, TRAIN_PROMPTS, as_chat_text, evaluate_team, length_ratio_reward  # noqa: E402
 from workers import cpu_seconds  # noqa: E402
 
 
@@ -34,13 +34,19 @@ class Clock:
         return cpu_seconds() - self.start - self.evaluating
 
 
+def prompts(s, tokenizer, texts):
+    """The task's prompts as both packages see them: plain text, or with `chat` the chat template's text."""
+    return as_chat_text(tokenizer, texts) if s.get("chat") else list(texts)
+
+
 def evaluation_point(s, clock, models, tokenizers, epoch, updates):
     """Evaluate on the training prompts; after the last epoch on the held-out prompts too."""
     begin = cpu_seconds()
-    train = evaluate_team(models, tokenizers, TRAIN_PROMPTS, s["tokens"], s["eval_samples"])
+    train = evaluate_team(models, tokenizers, prompts(s, tokenizers[0], TRAIN_PROMPTS), s["tokens"], s["eval_samples"])
     point = {"epoch": epoch, "updates": updates, **train}
     if epoch == s["epochs"]:
-        point["held_out"] = evaluate_team(models, tokenizers, HELD_OUT_PROMPTS, s["tokens"], s["eval_samples"])
+        held_out = prompts(s, tokenizers[0], HELD_OUT_PROMPTS)
+        point["held_out"] = evaluate_team(models, tokenizers, held_out, s["tokens"], s["eval_samples"])
     clock.evaluating += cpu_seconds() - begin
     point["train_cpu_s"] = clock.training()
     print(json.dumps({"point": point}), file=sys.stderr, flush=True)
@@ -99,7 +105,7 @@ def run_ours(s):
         reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
         reward_processor=RewardProcessors.scale(factor=100.0),
         args=config,
-        train_dataset=_dataset(),
+        train_dataset=_dataset(prompts(s, tokenizer, TRAIN_PROMPTS)),
         tokenizer=tokenizer,
         callbacks=[EvaluateEachEpoch()],
     )
@@ -127,7 +133,7 @@ def run_peer(s):
         reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
         reward_processor=RewardProcessors.scale(factor=100.0),
         args=config,
-        train_dataset=_dataset(),
+        train_dataset=_dataset(prompts(s, tokenizer, TRAIN_PROMPTS)),
         tokenizer=tokenizer,
     )
     steps = []
@@ -150,15 +156,16 @@ def run_peer(s):
 def run_initial(s):
     """The untrained team's evaluation: the same for every system and seed, so it is measured once."""
     tokenizer, agents = load_team(s["model"])
-    held_out = evaluate_team(agents, [tokenizer] * 2, HELD_OUT_PROMPTS, s["tokens"], s["eval_samples"])
-    train = evaluate_team(agents, [tokenizer] * 2, TRAIN_PROMPTS, s["tokens"], s["eval_samples"])
+    team = [tokenizer] * 2
+    held_out = evaluate_team(agents, team, prompts(s, tokenizer, HELD_OUT_PROMPTS), s["tokens"], s["eval_samples"])
+    train = evaluate_team(agents, team, prompts(s, tokenizer, TRAIN_PROMPTS), s["tokens"], s["eval_samples"])
     return [{"epoch": 0, "updates": 0, **train, "held_out": held_out, "train_cpu_s": 0.0}], 0
 
 
-def _dataset():
+def _dataset(texts):
     from datasets import Dataset
 
-    return Dataset.from_dict({"prompt": TRAIN_PROMPTS})
+    return Dataset.from_dict({"prompt": texts})
 
 
 def main():

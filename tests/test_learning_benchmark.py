@@ -161,3 +161,29 @@ def test_the_evaluation_scores_untempered_samples_and_greedy_and_reports_the_tra
         {"do_sample": False, "temperature": None, "top_p": None, "top_k": None},
         {"do_sample": True, "temperature": 0.6, "top_p": 0.6, "top_k": 50},
     ]
+
+
+class _TemplateTokenizer:
+    """A chat template that brackets each message; records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        self.calls.append((tokenize, add_generation_prompt))
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
+
+
+def test_chat_prompts_are_one_user_message_each_ready_for_the_answer_and_plain_prompts_are_kept():
+    import learning_worker
+
+    tokenizer = _TemplateTokenizer()
+    texts = ["Tell a joke:", "Describe a city:"]
+    assert learning_worker.prompts({"chat": True}, tokenizer, texts) == [
+        "<user>Tell a joke:</user><assistant>",
+        "<user>Describe a city:</user><assistant>",
+    ]
+    assert tokenizer.calls == [(False, True), (False, True)]
+    assert learning_worker.prompts({"chat": False}, tokenizer, texts) == texts
+    assert learning_worker.prompts({}, tokenizer, texts) == texts
+    assert len(tokenizer.calls) == 2
