@@ -3,13 +3,14 @@
     python benchmarks/learning.py                      # both systems at their defaults, seeds 0 1 2 (about 75 min)
     python benchmarks/learning.py --seeds 0 --systems ours
     python benchmarks/learning.py --row "on-policy=steps_per_generation=1"   # an extra row: ours with a default changed
+    python benchmarks/learning.py --chat --tag chat    # the prompts under the chat template, for both systems
 
 The run is the documentation's length-ratio tutorial on SmolLM2-135M-Instruct, fully fine-tuned, one torch thread:
 ten prompts, `--epochs` 3, learning rate 5e-5, K=4 completions, 48 new tokens, written through each package's
 documented API with its defaults for everything else (`learning_worker.py`). Training rewards are not comparable
 across packages (each samples at its own temperature), so every team is scored by one protocol
-(`learning_task.py`): the ten prompts as plain text, 4 samples at temperature 1 from a fixed seed plus a greedy
-completion, the mean of the two; after the last epoch also ten held-out prompts. The untrained team is evaluated
+(`learning_task.py`): the ten prompts as plain text (`--chat`: as the chat template's text, in training too), 4
+samples at temperature 1 from a fixed seed plus a greedy completion, the mean of the two; after the last epoch also ten held-out prompts. The untrained team is evaluated
 once. The x axis is CPU seconds of `train()` without the evaluations.
 
 Prints a table (reward after each epoch, mean and spread over seeds, CPU seconds, updates) and the ratios the
