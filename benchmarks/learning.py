@@ -10,8 +10,9 @@ ten prompts, `--epochs` 3, learning rate 5e-5, K=4 completions, 48 new tokens, w
 documented API with its defaults for everything else (`learning_worker.py`). Training rewards are not comparable
 across packages (each samples at its own temperature), so every team is scored by one protocol
 (`learning_task.py`): the ten prompts as plain text (`--chat`: as the chat template's text, in training too), 4
-samples at temperature 1 from a fixed seed plus a greedy completion, the mean of the two; after the last epoch also ten held-out prompts. The untrained team is evaluated
-once. The x axis is CPU seconds of `train()` without the evaluations.
+samples at temperature 1 from a fixed seed plus a greedy completion, the mean of the two; after the last epoch also
+ten held-out prompts. The untrained team is evaluated once. The x axis is CPU seconds of `train()` without the
+evaluations.
 
 Prints a table (reward after each epoch, mean and spread over seeds, CPU seconds, updates) and the ratios the
 targets are stated in: final reward ours/peer and CPU seconds ours/peer. Writes `benchmarks/results/learning-<date>.json`
