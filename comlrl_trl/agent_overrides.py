@@ -27,7 +27,9 @@ def _non_negative(value) -> str | None:
     return None if _number(value) and value >= 0 else "a number >= 0"
 
 
-def _positive(value) -> str | None:
+def check_positive(value) -> str | None:
+    """What `value` must be ("a number > 0") when it is not a finite positive number, else None; also used for
+    team fields of the same kind."""
     return None if _number(value) and value > 0 else "a number > 0"
 
 
@@ -73,12 +75,12 @@ PER_AGENT_FIELDS: dict[str, Callable[[Any], str | None]] = {
     "weight_decay": _non_negative,
     "adam_beta1": _adam_beta,
     "adam_beta2": _adam_beta,
-    "adam_epsilon": _positive,
-    "temperature": _positive,
+    "adam_epsilon": check_positive,
+    "temperature": check_positive,
     "top_p": _probability,
     "top_k": _top_k,
     "min_p": _optional_fraction,
-    "repetition_penalty": _positive,
+    "repetition_penalty": check_positive,
     "max_completion_length": _positive_int,
     "generation_kwargs": _mapping,
 }

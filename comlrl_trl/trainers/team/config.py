@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from trl import GRPOConfig
 
-from ...agent_overrides import _positive, validate_agent_overrides
+from ...agent_overrides import check_positive, validate_agent_overrides
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
 from ...hardware import bf16_is_fast, cpu_bf16_pays_off
@@ -480,7 +480,7 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             raise ValueError(
                 f"beta is the KL coefficient and must be >= 0 (0: no reference model), got {self.beta!r}."
             )
-        if self.logprob_temperature is not None and (problem := _positive(self.logprob_temperature)):
+        if self.logprob_temperature is not None and (problem := check_positive(self.logprob_temperature)):
             raise ValueError(
                 f"logprob_temperature must be {problem} (1.0: the model's own distribution, as CoMLRL) or None (the "
                 f"sampling temperature, as TRL's GRPO), got {self.logprob_temperature!r}."
