@@ -233,7 +233,16 @@ def test_deepspeed_resume_is_exact_for_every_agent_critic_and_head(tmp_path, sta
 # Optimiser steps of each family's run in two_rank_zero.py: 8 items, 4 per rank. MAGRPO: 4 completions per step =
 # 2 items (K=2); IAC/MAAC: 2 items per step; MADPO: 4 candidates per step = 1 item; MARLHF(Iter): 1 item per step
 # of each RL stage (K=2, 2 completions per step).
-TWO_RANK_STEPS = {"magrpo": 2, "magrpo_multi_turn": 2, "iac": 2, "maac": 2, "madpo": 4, "marlhf": 4, "marlhf_iter": 4}
+TWO_RANK_STEPS = {
+    "magrpo": 2,
+    "magrpo_lora": 2,
+    "magrpo_multi_turn": 2,
+    "iac": 2,
+    "maac": 2,
+    "madpo": 4,
+    "marlhf": 4,
+    "marlhf_iter": 4,
+}
 
 
 @pytest.mark.slow
@@ -253,6 +262,9 @@ def test_every_family_on_two_zero_ranks_with_uneven_work(tmp_path, stage, family
     assert report["steps"] == TWO_RANK_STEPS[family]
     if family == "madpo":  # C(4, 2) pairs of rank 0's item per step, none on rank 1
         assert report["pairs"] == [6.0] * 4
+    if family == "magrpo_lora":  # the adapters trained (the hashes above changed); the base stayed as loaded
+        assert report["frozen"]["after"] == report["frozen"]["before"]
+        assert all(0 < trainable < 10_000 for trainable in report["trainable"])
     critics = report["critic_engines"]  # the critics (which trained: their hashes changed) in engines of their own
     assert [critic["engine"] for critic in critics] == ["DeepSpeedEngine"] * {"iac": 2, "maac": 1}.get(family, 0)
     for critic in critics:  # ZeRO-3 partitions the critic's weights over the two ranks; ZeRO-2 keeps them whole

@@ -5,11 +5,12 @@ both ranks: rank 0 prints a SHA-256 of every trained module (agents with their v
 before and after training (and rank 0's parameter sums), and each critic's own DeepSpeed engine (its type, and
 under ZeRO-3 the parameter elements rank 0 holds against the full count). Uneven work: rank 1's rewards all tie (MAGRPO/IAC/MAAC advantages of zero, MADPO and
 MARLHF pairs only on rank 0), MADPO selects every pair on rank 0 (3 no-grad chunks against rank 1's one), sampled
-completion lengths differ per rank, and `magrpo_multi_turn` expands every item into a second turn.
+completion lengths differ per rank, and `magrpo_multi_turn` expands every item into a second turn. `magrpo_lora`
+trains LoRA adapters (peft) and also reports a SHA-256 of each agent's frozen parameters, before and after.
 
 Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> torchrun --nproc_per_node 2 ...
           <output_dir> <family> [full|resume]
-families: magrpo magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume resume_maac (the last two: 2 epochs,
+families: magrpo magrpo_lora magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume resume_maac (the last two: 2 epochs,
 a checkpoint per epoch; `resume` resumes from checkpoint-1)
 """
 
@@ -23,6 +24,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from peft import LoraConfig
 
 from comlrl_trl.testing import tiny_model_path
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
@@ -54,10 +56,11 @@ def transition(
     return [f"Turn {len(response_history_per_agent[0])}: agent {a}, revise." for a in range(num_agents)]
 
 
-def fingerprint(module) -> tuple[str, float]:
-    """SHA-256 and sum of the module's parameters, gathered first under ZeRO-3 (a collective: every rank calls it).
-    The sum serves comparisons with a tolerance (GPU runs, whose kernels are not bit-reproducible by default)."""
-    params = list(module.parameters())
+def fingerprint(module, frozen: bool = False) -> tuple[str, float]:
+    """SHA-256 and sum of the module's parameters (`frozen`: of those without gradients only), gathered first under
+    ZeRO-3 (a collective: every rank calls it). The sum serves comparisons with a tolerance (GPU runs, whose kernels
+    are not bit-reproducible by default)."""
+    params = [p for p in module.parameters() if not (frozen and p.requires_grad)]
     with deepspeed.zero.GatheredParameters(params):
         digest, total = hashlib.sha256(), 0.0
         for p in params:
@@ -81,7 +84,7 @@ def build(family: str, output_dir: str):
         seed=1,
     )
     path = tiny_model_path("qwen2")
-    if family in ("magrpo", "magrpo_multi_turn", "resume"):
+    if family in ("magrpo", "magrpo_lora", "magrpo_multi_turn", "resume"):
         turns = dict(num_turns=2, external_transition=transition) if family == "magrpo_multi_turn" else {}
         transition_arg = turns.pop("external_transition", None)
         if family == "resume":
@@ -93,6 +96,9 @@ def build(family: str, output_dir: str):
             train_dataset=items,
             external_transition=transition_arg,
             args=config,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            if family == "magrpo_lora"
+            else None,
         )
     if family == "iac":  # a separate critic per agent, each with its own optimiser
         return IACTrainer(
@@ -178,6 +184,7 @@ def modules(trainer) -> list:
 def main(output_dir: str, family: str, mode: str = "full") -> None:
     trainer = build(family, output_dir)
     before = [fingerprint(m)[0] for m in modules(trainer)]
+    frozen_before = [fingerprint(m, frozen=True)[0] for m in modules(trainer)]
     start = time.perf_counter()
     if family.startswith("resume"):
         checkpoints = os.path.join(output_dir, "ckpt")
@@ -187,6 +194,7 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
         trainer.train()
     seconds = time.perf_counter() - start
     after = [fingerprint(m) for m in modules(trainer)]
+    frozen_after = [fingerprint(m, frozen=True)[0] for m in modules(trainer)]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [digest for digest, _ in after])
     rl = getattr(trainer, "rl_trainer", trainer)
@@ -196,6 +204,11 @@ def main(output_dir: str, family: str, mode: str = "full") -> None:
             "before": before,
             "after": gathered,
             "sums": [total for _, total in after],
+            "frozen": {"before": frozen_before, "after": frozen_after},
+            "trainable": [
+                sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in m.parameters() if p.requires_grad)
+                for m in modules(trainer)
+            ],
             "steps": rl.state.global_step,
             "engines": [type(agent.model_wrapped).__name__ for agent in rl.agent_trainers],
             "critic_engines": critic_engines(rl),
