@@ -178,7 +178,7 @@ def cpu_to_reach(summary: dict, target: float) -> float | None:
     return None
 
 
-def plot(rows: dict, initial: dict, path: Path) -> None:
+def plot(rows: dict, initial: dict, path: Path, chat: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,7 +196,7 @@ def plot(rows: dict, initial: dict, path: Path) -> None:
         ax.fill_between(xs, [min(v) for v in zip(*per_seed)], [max(v) for v in zip(*per_seed)], alpha=0.2)
     ax.set_xlabel("CPU seconds of train() (one thread, evaluations excluded)")
     ax.set_ylabel("evaluated reward (T=1 samples and greedy)")
-    ax.set_title("Length-ratio tutorial, SmolLM2-135M, full fine-tuning")
+    ax.set_title("Length-ratio tutorial, SmolLM2-135M, full fine-tuning" + (", chat prompts" if chat else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -306,7 +306,7 @@ def main():
     }
     json_path = RESULTS / f"learning-{stamp}.json"
     json_path.write_text(json.dumps(out, indent=1))
-    plot(rows, initial, RESULTS / f"learning{('-' + args.tag) if args.tag else ''}.png")
+    plot(rows, initial, RESULTS / f"learning{('-' + args.tag) if args.tag else ''}.png", chat=args.chat)
     print(f"\nwrote {json_path} and the chart beside it")
 
 
