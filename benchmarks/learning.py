@@ -15,8 +15,9 @@ ten held-out prompts. The untrained team is evaluated once. The x axis is CPU se
 evaluations.
 
 Prints a table (reward after each epoch, mean and spread over seeds, CPU seconds, updates) and the ratios the
-targets are stated in: final reward ours/peer and CPU seconds ours/peer. Writes `benchmarks/results/learning-<date>.json`
-and a chart `benchmarks/results/learning.png` (mean and min-max band across seeds against CPU seconds).
+targets are stated in: final reward ours/peer and CPU seconds ours/peer. Writes
+`benchmarks/results/learning-<date>.json` and a chart `benchmarks/results/learning.png` (mean and min-max band across
+seeds against CPU seconds).
 """
 
 import argparse

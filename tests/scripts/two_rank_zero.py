@@ -3,15 +3,16 @@
 Each run must finish (every process joins the same forwards and collectives) and end with the same weights on
 both ranks: rank 0 prints a SHA-256 of every trained module (agents with their value heads, critics), per rank,
 before and after training (and rank 0's parameter sums), and each critic's own DeepSpeed engine (its type, and
-under ZeRO-3 the parameter elements rank 0 holds against the full count). Uneven work: rank 1's rewards all tie (MAGRPO/IAC/MAAC advantages of zero, MADPO and
-MARLHF pairs only on rank 0), MADPO selects every pair on rank 0 (3 no-grad chunks against rank 1's one), sampled
-completion lengths differ per rank, and `magrpo_multi_turn` expands every item into a second turn. `magrpo_lora`
-trains LoRA adapters (peft) and also reports a SHA-256 of each agent's frozen parameters, before and after.
+under ZeRO-3 the parameter elements rank 0 holds against the full count). Uneven work: rank 1's rewards all tie
+(MAGRPO/IAC/MAAC advantages of zero, MADPO and MARLHF pairs only on rank 0), MADPO selects every pair on rank 0 (3
+no-grad chunks against rank 1's one), sampled completion lengths differ per rank, and `magrpo_multi_turn` expands
+every item into a second turn. `magrpo_lora` trains LoRA adapters (peft); every run also reports a SHA-256 of each
+module's frozen parameters, before and after, and each module's trainable parameter count.
 
 Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> torchrun --nproc_per_node 2 ...
           <output_dir> <family> [full|resume]
-families: magrpo magrpo_lora magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume resume_maac (the last two: 2 epochs,
-a checkpoint per epoch; `resume` resumes from checkpoint-1)
+families: magrpo magrpo_lora magrpo_multi_turn iac maac marlhf marlhf_iter madpo resume resume_maac (the last
+two: 2 epochs, a checkpoint per epoch; `resume` resumes from checkpoint-1)
 """
 
 import hashlib
