@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import learning  # noqa: E402
+from gradient_precision import agreement  # noqa: E402
 from learning_task import completion_shape, evaluate_team, length_ratio_reward  # noqa: E402
 
 
@@ -187,3 +188,18 @@ def test_chat_prompts_are_one_user_message_each_ready_for_the_answer_and_plain_p
     assert learning_worker.prompts({"chat": False}, tokenizer, texts) == texts
     assert learning_worker.prompts({}, tokenizer, texts) == texts
     assert len(tokenizer.calls) == 2
+
+
+def test_gradient_sign_agreement_skips_zeros_and_splits_at_the_reference_median():
+    import torch
+
+    reference = torch.tensor([0.1, 0.2, 3.0, 4.0, 0.0], dtype=torch.float64)
+    gradient = torch.tensor([-0.1, -0.2, 3.0, 4.0, 0.0], dtype=torch.float64)
+    result = agreement(gradient, reference)
+    # The element that is zero in both is left out (counted, it would make the agreement 3/5).
+    assert result["sign agreement"] == 0.5
+    # The median of |reference| over the other four is 0.2 (torch's lower middle): 0.1 and 0.2 disagree, 3 and 4 agree.
+    assert result["sign agreement, smaller half"] == 0.0
+    assert result["sign agreement, larger half"] == 1.0
+    # dot = -0.01 - 0.04 + 9 + 16 = 24.95; both norms are sqrt(25.05).
+    assert result["cosine"] == pytest.approx(24.95 / 25.05)
