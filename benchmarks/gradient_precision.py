@@ -23,7 +23,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 #: Advantages of the K completions: a group-normalised set (summing to zero) and an all-positive one.
 ADVANTAGES = {"group-normalised (sum 0)": [1.3, -0.2, -1.1, 0.0], "all positive": [1.0, 1.0, 1.0, 1.0]}
