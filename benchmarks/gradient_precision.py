@@ -30,7 +30,8 @@ K = 4
 
 
 def policy_gradient(model, sequences, prompt_length, advantages, token_mask, bf16, temperature=0.6):
-    """The gradient of -mean_t(A * log pi_T(y_t)) over the masked completion tokens, per parameter, in float64."""
+    """The gradient of -mean_t(A * log pi_T(y_t)) over the masked completion tokens: every parameter's, flattened
+    into one float64 vector."""
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(sequences).logits[:, prompt_length - 1 : -1].float() / temperature
