@@ -154,6 +154,82 @@ def test_packed_generation_samples_the_same_tokens_with_the_same_scores(qwen_pat
     assert all("forward" not in vars(m) for m in model.modules())  # the layers' own forward again
 
 
+@bf16_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_layers_give_each_layers_own_packed_product_bit_for_bit(bias):
+    from comlrl_trl.adapters.packed_linear import PackedLinear, PackedLinears
+
+    torch.manual_seed(3)
+    layers = tuple(torch.nn.Linear(576, out, bias=bias) for out in (576, 192, 192))
+    stacked = PackedLinears(layers, rows=8)
+    for shape in [(1, 576), (8, 1, 576), (4, 13, 576)]:
+        hidden = torch.randn(*shape)
+        outputs = stacked(hidden)
+        assert [output.shape for output in outputs] == [(*shape[:-1], n) for n in (576, 192, 192)]
+        for layer, got in zip(layers, outputs):
+            assert torch.equal(got, PackedLinear(layer, rows=8)(hidden)), shape
+
+
+@bf16_kernels
+def test_packing_stacks_only_whole_groups_of_packable_layers_of_one_input_width_and_bias_kind():
+    from comlrl_trl.adapters.packed_linear import PackedLinear, packed_linear_weights, packed_together
+
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6), torch.nn.Linear(8, 2)
+    d, e = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3, bias=False)
+    hooked = torch.nn.Linear(8, 5)
+    hooked.forward = lambda x: x  # something else replaced its forward: not packed, so in no group
+    model = torch.nn.ModuleList([a, b, c, d, e, hooked])
+    groups = [(a, b), (b, c), (c, d), (c, e), (c, hooked), (c,), (c, c)]
+    hidden = torch.randn(3, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with packed_linear_weights(model, rows=3, groups=groups):
+            together = packed_together((a, b))
+            assert together is not None and together.sizes == [4, 6]
+            # The order, a part of the group or other layers do not find it.
+            assert all(packed_together(layers) is None for layers in [(b, a), (a,), (c, e)])
+            # b is in the first group, c and d have other input widths, e another bias kind, hooked is not packed.
+            assert all(type(vars(layer)["forward"]) is PackedLinear for layer in (c, d, e))
+            assert hooked.forward(hidden) is hidden
+            # A member called alone gives its stacked output (its own forward: autocast's, equal to the packed one).
+            stacked_a, stacked_b = together(hidden)
+            assert torch.equal(a(hidden), stacked_a) and torch.equal(b(hidden), stacked_b)
+    assert all("forward" not in vars(layer) for layer in (a, b, c, d, e))
+
+
+@bf16_kernels
+def test_lean_decoding_with_stacked_projections_samples_the_same_tokens_with_the_same_scores(qwen_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from comlrl_trl.adapters.decoding import lean_decoding, shared_input_projections
+    from comlrl_trl.adapters.packed_linear import PackedLinear, PackedLinears, packed_linear_weights
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_path)
+    groups = shared_input_projections(model)
+    assert len(groups) == 2 * model.config.num_hidden_layers  # (q, k, v) and (gate, up) of every layer
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2: the stacked product adds the biases
+    products = []
+    monkeypatch.setattr(
+        PackedLinears, "product", lambda self, hidden: products.append(1) or PackedLinear.__call__(self, hidden)
+    )
+    prompt = torch.tensor([[5, 9, 14, 3, 7]] * 4)
+    settings = dict(do_sample=True, max_new_tokens=12, min_new_tokens=12, top_k=0, output_logits=True)
+
+    def generate(groups):
+        torch.manual_seed(7)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with packed_linear_weights(model, rows=4, groups=groups), lean_decoding(model):
+                return model.generate(prompt, return_dict_in_generate=True, **settings)
+
+    separate = generate(())
+    assert not products
+    stacked = generate(groups)
+    assert len(products) == len(groups) * 12  # every group at the prompt and at each of the 11 later steps
+    assert torch.equal(stacked.sequences, separate.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(stacked.logits, separate.logits))
+    assert shared_input_projections(torch.nn.Linear(2, 2)) == []  # no model lean decoding runs: nothing to stack
+
+
 def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_error():
     from comlrl_trl.adapters.packed_linear import packed_linear_weights
 
