@@ -11,6 +11,14 @@ and prints, for each pair of gradients: the cosine, and the share of elements wh
 for the halves below and above the median magnitude. For scale, the same fp32 gradient on every other completion
 token (another batch of the same policy) is compared with the full one. Two advantage sets: group-normalised (summing
 to zero, so the gradient is a small difference of large terms) and all positive.
+
+    python benchmarks/gradient_precision.py --trainer       # the trainer's own loss path, three updates' batches
+
+`--trainer` compares the gradients our trainer itself computes: two tutorial teams (two agents, the length-ratio
+reward, two task items per on-policy update), one with `bf16=True` (the defaults' autocast path: packed shared
+prompts, the CPU log-probability head) and one with `bf16=False`, the same weights. The bf16 team samples and scores
+each update's batch; every agent's micro-batch then runs through both teams' `train_micro_batch`, and each pair of
+gradients is compared as above.
 """
 
 import argparse
@@ -55,13 +63,76 @@ def agreement(gradient, reference) -> dict:
     }
 
 
+def trainer_gradients(tokens: int, updates: int) -> dict:
+    """`--trainer`: per update and agent, the bf16 team's gradient of one micro-batch against the fp32 team's."""
+    from functools import partial
+
+    from datasets import Dataset
+    from learning_task import TRAIN_PROMPTS, length_ratio_reward
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    from comlrl_trl.utils.reward_processor import RewardProcessors
+
+    path = demo_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def team(bf16: bool):
+        config = MAGRPOConfig(
+            output_dir="/tmp/comlrl-trl-gradient-precision",
+            num_turns=1,
+            num_generations=K,
+            max_new_tokens=tokens,
+            agent_learning_rate=5e-5,
+            per_device_train_batch_size=2 * K,
+            steps_per_generation=1,
+            bf16=bf16,
+            report_to="none",
+        )
+        return MAGRPOTrainer(
+            agents=[AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2)],
+            reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
+            reward_processor=RewardProcessors.scale(factor=100.0),
+            args=config,
+            tokenizer=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": TRAIN_PROMPTS}),
+        )
+
+    teams = {"bf16": team(True), "fp32": team(False)}
+    results = {}
+    for update in range(updates):
+        rows = [{"prompt": prompt} for prompt in TRAIN_PROMPTS[2 * update : 2 * update + 2] for _ in range(K)]
+        rollout = teams["bf16"].orchestrator.rollout(rows, first_item_index=2 * update)
+        for a, (batch, advantages) in enumerate(zip(rollout.agent_batches, rollout.agent_advantages)):
+            gradients = {}
+            for name, trainer in teams.items():
+                agent = trainer.agent_trainers[a]
+                agent.fill_micro_batches(dict(batch), advantages)
+                agent.current_gradient_accumulation_steps = 1
+                agent.model.zero_grad(set_to_none=True)
+                agent.train_micro_batch(0, sync_gradients=True)
+                gradients[name] = torch.cat(
+                    [p.grad.flatten().double() for p in agent.model.parameters() if p.grad is not None]
+                )
+            results[f"trainer, update {update + 1}, agent {a}: bf16 against fp32"] = agreement(
+                gradients["bf16"], gradients["fp32"]
+            )
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--trainer", action="store_true", help="compare the trainer's own gradients (see above)")
+    parser.add_argument("--updates", type=int, default=3, help="--trainer: updates' batches compared")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.trainer:
+        report(trainer_gradients(args.tokens, args.updates), args, mode="trainer")
+        return
 
     from learning_task import TRAIN_PROMPTS
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,6 +169,10 @@ def main():
             policy_gradient(model, sequences, prompt_length, advantages, every_other_token, bf16=False), fp32
         )
 
+    report(results, args, mode="model")
+
+
+def report(results: dict, args, mode: str) -> None:
     print(f"{'gradients compared':<70} {'cosine':>8} {'signs agree':>12} {'small half':>11} {'large half':>11}")
     for name, r in results.items():
         print(
@@ -105,7 +180,8 @@ def main():
             f"{r['sign agreement, smaller half']:>11.4f} {r['sign agreement, larger half']:>11.4f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"k": K, "tokens": args.tokens, "results": results}, indent=2) + "\n")
+        summary = {"mode": mode, "k": K, "tokens": args.tokens, "results": results}
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
