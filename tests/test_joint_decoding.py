@@ -78,28 +78,6 @@ def test_one_loop_gives_every_agent_the_tokens_of_its_own_call(make_team, make_l
     assert loops == [8, 4, 4, 8]
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels here")
-def test_one_loop_stacks_each_agents_projections_and_keeps_its_tokens(make_team, monkeypatch):
-    from comlrl_trl.adapters import grpo, joint_decoding
-
-    trainer = make_team(bf16=True, use_cpu=True)
-    _make_agents_differ(trainer)
-    _greedy(trainer)
-    team, prompts = trainer.orchestrator.team_generation, _prompts()
-    calls, stacked_products = [], joint_decoding._stacked_products
-    monkeypatch.setattr(joint_decoding, "_stacked_products", lambda *args: calls.append(1) or stacked_products(*args))
-
-    stacked = team(prompts)
-    layers = base_model(trainer.agent_trainers[0].model).config.num_hidden_layers
-    assert len(calls) >= 2 * layers * 2  # (q, k, v) and (gate, up) of every layer, at the prompt and a step
-    calls.clear()
-    monkeypatch.setattr(grpo, "shared_input_projections", lambda model: [])
-    separate = team(prompts)
-    assert not calls
-    assert [r.completion_ids for r in stacked] == [r.completion_ids for r in separate]
-    assert stacked[0].completion_ids != stacked[1].completion_ids  # each agent's own weights
-
-
 def test_sampling_filters_each_row_in_the_team_batch(make_team):
     """With top_k=1 sampling must pick each row's greedy token: the logits processors run row by row on the batch."""
     trainer = make_team()

@@ -11,10 +11,8 @@ its forward calls them: the embedding, `create_causal_mask`, the rotary embeddin
 projections, the model's `apply_rotary_pos_emb`, the cache's `update`, transformers' SDPA attention, the residual
 additions, the MLP, and the final norm and head. The values are the model's own, bit for bit, under autocast or
 without (`tests/test_decoding.py` compares whole generations and random states); what is left out is the Python
-between them. Where the projections that read one input are packed as one product (q, k and v; gate and up:
-`shared_input_projections`, `adapters/packed_linear.py`), a step runs that product once instead of each layer.
-Every other call of `model.forward` (the prompt's forward outside the loop below, anything with other arguments) is
-the model's own forward.
+between them. Every other call of `model.forward` (the prompt's forward outside the loop below, anything with other
+arguments) is the model's own forward.
 
 The sampling loop around the steps (`_sampling_loop`, in place of transformers' `_sample` for this model) prepares
 each step's inputs directly: the last token, the next position (and the attention mask grown by one column), the
@@ -50,7 +48,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..loading import base_model
 from .helpers import full_sdpa_attention, zero_sharded
-from .packed_linear import packed_together
 
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
@@ -331,8 +328,9 @@ def _lean_forward(
         residual = hidden
         hidden = layer.input_layernorm.forward(hidden)
         heads = (*hidden.shape[:-1], -1, attention.head_dim)
-        projected = _linear_outputs(hidden, attention.q_proj, attention.k_proj, attention.v_proj)
-        query, key, value = (states.view(heads).transpose(1, 2) for states in projected)
+        query = attention.q_proj.forward(hidden).view(heads).transpose(1, 2)
+        key = attention.k_proj.forward(hidden).view(heads).transpose(1, 2)
+        value = attention.v_proj.forward(hidden).view(heads).transpose(1, 2)
         query, key = apply_rotary(query, key, cos, sin)
         if kv_dtype is not None:
             _cast_layer_cache(cache.layers[attention.layer_idx], kv_dtype)
@@ -346,36 +344,12 @@ def _lean_forward(
         hidden = residual + attention.o_proj.forward(output)
         residual = hidden
         hidden = layer.post_attention_layernorm.forward(hidden)
-        gate, up = _linear_outputs(hidden, mlp.gate_proj, mlp.up_proj)
-        hidden = mlp.down_proj.forward(mlp.act_fn(gate) * up)
+        hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
         hidden = residual + hidden
     hidden = inner.norm.forward(hidden)
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:, :]  # transformers' `slice_logits_to_keep`
     return CausalLMOutputWithPast(logits=model.lm_head.forward(hidden), cache=cache)
-
-
-def _linear_outputs(hidden: torch.Tensor, *layers) -> tuple[torch.Tensor, ...]:
-    """Each of `layers`' outputs on `hidden`: one product where their weights are packed together (`PackedLinears`,
-    or a team position's `stacked` products), otherwise one call per layer."""
-    stacked = getattr(layers[0], "stacked", None)  # a team position (adapters/joint_decoding.py)
-    together = stacked(layers) if stacked is not None else packed_together(layers)
-    if together is None:
-        return tuple(layer.forward(hidden) for layer in layers)
-    return together(hidden)
-
-
-def shared_input_projections(model: nn.Module) -> list[tuple[nn.Module, ...]]:
-    """Per decoder layer, the projections that read one input, (q, k, v) and (gate, up), where `_decoding_step` runs
-    `model`'s steps (it asks for them together, `_linear_outputs`); none elsewhere."""
-    model = base_model(model)
-    if not lean_decoding_applies(model):
-        return []
-    groups = []
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        groups += [(attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)]
-    return groups
 
 
 def rotary_function(layer: nn.Module):

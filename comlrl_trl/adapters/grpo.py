@@ -34,7 +34,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from .call_overheads import fewer_fixed_costs
 from .cpu_logprob import CpuChunkedLogProb
-from .decoding import lean_decoding, shared_input_projections
+from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
 from .multinomial import sparse_sampling
 from .packed_linear import packed_linear_weights
@@ -176,7 +176,6 @@ class AgentGRPOTrainer(GRPOTrainer):
                 rows=rows,
                 fp16_weights=self.args.cpu_fp16_generation_weights,
                 new_tokens=self.max_completion_length,
-                groups=shared_input_projections(self.model) if cpu else (),
             ),
             fused_top_k_top_p() if cpu else nullcontext(),
             nullcontext() if self.use_vllm or not cpu else sparse_sampling(),

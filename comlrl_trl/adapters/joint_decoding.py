@@ -9,8 +9,7 @@ decoding loop (`adapters/decoding.py`) run the agents' rows as one batch, operat
   team's base model: its linear layers, norms, embedding and head);
 - a LoRA layer whose base layer is shared runs the base once on all rows, then adds each agent's own LoRA update to
   its rows (peft's vanilla LoRA forward, `_lora_added`);
-- any other module (trainable weights: full fine-tuning) runs per agent on that agent's rows; projections packed as
-  one product per agent (`PackedLinears`: q, k and v; gate and up) run as that product, once per agent;
+- any other module (trainable weights: full fine-tuning) runs per agent on that agent's rows;
 - attention, rotary embeddings, the sampling and the stopping criteria run once on all rows (they hold no weights
   that differ: `team_view` requires one architecture and configuration).
 
@@ -20,7 +19,6 @@ prompt of the team changes the rounding of the attention sums.
 """
 
 import copy
-import functools
 import logging
 from contextlib import ExitStack
 
@@ -34,7 +32,6 @@ from ..loading import architecture, base_model
 from .decoding import JointDecodingUnavailable, lean_decoding_applies, rotary_function
 from .grpo import Rollout
 from .helpers import attribute_replaced
-from .packed_linear import packed_together
 
 
 logger = logging.getLogger(__name__)
@@ -57,22 +54,6 @@ class _PerAgent:
         return torch.cat([module.forward(part) for module, part in zip(self.modules, parts, strict=True)])
 
     __call__ = forward
-
-    def stacked(self, positions: tuple) -> "functools.partial | None":
-        """The outputs of `positions` (this one first, each a `_PerAgent` on the same rows) as one product per agent,
-        where every agent's layers at those positions are packed together (`PackedLinears`); otherwise None."""
-        if not all(isinstance(p, _PerAgent) and p.sizes == self.sizes for p in positions):
-            return None
-        groups = [packed_together(tuple(p.modules[a] for p in positions)) for a in range(len(self.modules))]
-        if any(group is None for group in groups):
-            return None
-        return functools.partial(_stacked_products, groups, self.sizes)
-
-
-def _stacked_products(groups: list, sizes: list[int], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each agent's stacked product on its rows (`groups[a]`, a `PackedLinears`), split into the layers' outputs."""
-    products = [group.product(part) for group, part in zip(groups, x.split(sizes), strict=True)]
-    return torch.cat(products).split(groups[0].sizes, dim=-1)
 
 
 class _SharedBaseLora:

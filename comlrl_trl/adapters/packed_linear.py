@@ -8,9 +8,7 @@ copy (`torch.ops.mkldnn._linear_pointwise`) runs the same kernels on the same bf
 outputs are equal to autocast's `F.linear` bit for bit (`tests/test_cpu_paths.py` checks layer shapes and whole
 generations); on several, oneDNN may split a large product (a long prompt's rows) differently, a difference of
 one bf16 rounding step. A SmolLM2-135M `generate` call (8 rows, 48 tokens) takes 3.78 instead of 4.31 CPU-s,
-packing included. Layers that read one input (`groups`: a decoder layer's q, k and v projections, its gate and up
-projections) are packed as one stacked product (`PackedLinears`), the same outputs in fewer calls, which the lean
-decoding step asks for together (`adapters/decoding.py`).
+packing included.
 
 Applies only without gradients (the packed copies are detached), where autocast runs in bf16 on the CPU and oneDNN
 has bf16 kernels, and not to parameters DeepSpeed shards (their values live elsewhere) or to layers whose `forward`
@@ -132,11 +130,8 @@ class PackedLinear:
     """The forward of one `nn.Linear` with its weight packed for oneDNN's bf16 kernels."""
 
     def __init__(self, layer: nn.Linear, rows: int):
-        self._pack(layer.weight, layer.bias, rows)
-
-    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), rows)
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(torch.bfloat16), rows)
+        self.bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
@@ -144,88 +139,20 @@ class PackedLinear:
         )
 
 
-class PackedLinears(PackedLinear):
-    """Linear layers that read one input (a layer's query, key and value projections) as one packed bf16 product.
-
-    Their weights are stacked (and their biases) and packed as `PackedLinear` packs one: `product` returns every
-    layer's outputs side by side, `__call__` each layer's. On one thread each equals the layer's own packed product
-    bit for bit (an output column sums over the same inputs in the same order whatever the other columns are), and a
-    decoding step makes one call instead of one per layer: SmolLM2-135M's q, k and v (576, 192 and 192 outputs) take
-    100 us together against 67 + 51 + 51 us alone, 8 rows, one thread.
-    """
-
-    def __init__(self, layers: tuple[nn.Linear, ...], rows: int):
-        weight = torch.cat([layer.weight.detach() for layer in layers])
-        bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        self._pack(weight, bias, rows)
-        self.sizes = [layer.out_features for layer in layers]
-
-    def product(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().__call__(hidden)
-
-    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.product(hidden).split(self.sizes, dim=-1)
-
-
-class _PackedMember:
-    """The forward of a layer whose weight is packed in a `PackedLinears` with others: the layer's own (autocast's
-    bf16 product, equal to its packed one on one thread), for a caller that runs it alone. `packed_together` finds
-    the group."""
-
-    def __init__(self, layer: nn.Linear, group: PackedLinears, index: int):
-        self.layer, self.group, self.index = layer, group, index
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return type(self.layer).forward(self.layer, hidden)
-
-
-def packed_together(layers: tuple[nn.Module, ...]) -> PackedLinears | None:
-    """The `PackedLinears` that holds exactly `layers`, in their order, or None."""
-    members = [vars(layer).get("forward") for layer in layers]
-    if not all(isinstance(member, _PackedMember) for member in members):
-        return None
-    group = members[0].group
-    same = all(member.group is group and member.index == i for i, member in enumerate(members))
-    return group if same and len(members) == len(group.sizes) else None
-
-
-def _stacked_groups(groups, candidates: list[nn.Module]) -> list[tuple[nn.Linear, ...]]:
-    """The `groups` that can be packed as one product each: two or more candidates for packing with one input width,
-    all with a bias or none, none of them in an earlier group."""
-    candidate_ids, taken, kept = {id(layer) for layer in candidates}, set(), []
-    for group in map(tuple, groups):
-        ids = {id(layer) for layer in group}
-        if (
-            len(ids) == len(group) > 1
-            and ids <= candidate_ids
-            and not ids & taken
-            and len({layer.in_features for layer in group}) == 1
-            and len({layer.bias is None for layer in group}) == 1
-        ):
-            kept.append(group)
-            taken |= ids
-    return kept
-
-
 @contextmanager
-def packed_linear_weights(
-    model: nn.Module, rows: int, fp16_weights: bool = False, new_tokens: int | None = None, groups=()
-):
+def packed_linear_weights(model: nn.Module, rows: int, fp16_weights: bool = False, new_tokens: int | None = None):
     """Run every `nn.Linear` of `model` with its weight packed (see the module docstring) inside the block.
 
     Under bf16 autocast: oneDNN's bf16 layout, where `packing_applies`; `rows` (the rows generated at once) helps
-    oneDNN pick it. `groups`: tuples of layers that read one input, each packed as one product (`PackedLinears`, which
-    `packed_together` finds; a member called alone runs its own forward). Without autocast and with `fp16_weights`:
-    fbgemm's fp16 weights, where `fp16_packing_applies`, for the layers `_fp16_packable` accepts; trainable ones only
-    when the call may decode `new_tokens` >= `FP16_MIN_NEW_TOKENS` (None: unknown, packed). Otherwise it does
-    nothing. The layers' own `forward` is back afterwards, also after an error.
+    oneDNN pick it. Without autocast and with `fp16_weights`: fbgemm's fp16 weights, where `fp16_packing_applies`,
+    for the layers `_fp16_packable` accepts; trainable ones only when the call may decode `new_tokens` >=
+    `FP16_MIN_NEW_TOKENS` (None: unknown, packed). Otherwise it does nothing. The layers' own `forward` is back
+    afterwards, also after an error.
     """
     candidates = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and m.weight.numel()]
-    stacked = []
     if packing_applies(model):
         pack = functools.partial(PackedLinear, rows=rows)
         failure = "Generating without packed bf16 weights: oneDNN cannot pack them here"
-        stacked = _stacked_groups(groups, candidates)
     elif fp16_weights and fp16_packing_applies(model):
         pack, failure = _fp16_weights, "Generating with fp32 weights: fbgemm cannot pack fp16 weights here"
         long_call = new_tokens is None or new_tokens >= FP16_MIN_NEW_TOKENS
@@ -233,16 +160,12 @@ def packed_linear_weights(
     else:
         yield
         return
-    in_groups = {id(layer) for group in stacked for layer in group}
     try:
-        replaced = [(layer, pack(layer)) for layer in candidates if id(layer) not in in_groups]
-        for group in stacked:
-            together = PackedLinears(group, rows)
-            replaced += [(layer, _PackedMember(layer, together, i)) for i, layer in enumerate(group)]
+        packed = [pack(layer) for layer in candidates]
     except RuntimeError as error:  # oneDNN limited to an instruction set without bf16 (ONEDNN_MAX_CPU_ISA), no fbgemm
         _warn_once(failure, str(error))
-        replaced = []
-    replaced = [(layer, forward) for layer, forward in replaced if forward is not None]
+        packed = []
+    replaced = [(layer, forward) for layer, forward in zip(candidates, packed) if forward is not None]
     for layer, forward in replaced:
         layer.forward = forward
     try:
