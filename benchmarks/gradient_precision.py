@@ -69,16 +69,14 @@ def trainer_gradients(tokens: int, updates: int) -> dict:
 
     from datasets import Dataset
     from learning_task import TRAIN_PROMPTS, length_ratio_reward
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from learning_worker import load_team
 
     from comlrl_trl.demo_model import demo_model_path
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
-    path = demo_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-
     def team(bf16: bool):
+        tokenizer, agents = load_team(demo_model_path())  # the learning runs' team: two fp32 agents
         config = MAGRPOConfig(
             output_dir="/tmp/comlrl-trl-gradient-precision",
             num_turns=1,
@@ -91,7 +89,7 @@ def trainer_gradients(tokens: int, updates: int) -> dict:
             report_to="none",
         )
         return MAGRPOTrainer(
-            agents=[AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2)],
+            agents=agents,
             reward_func=partial(length_ratio_reward, target_min=2, target_max=3),
             reward_processor=RewardProcessors.scale(factor=100.0),
             args=config,

@@ -82,8 +82,9 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             gradient is that of the policy being sampled. `1.0` trains the model's own distribution on samples drawn
             at `temperature`, as CoMLRL does. Measured (docs/benchmarks.md, "Learning"): on the fully fine-tuned
             tutorial `1.0` learned a little more (ten seeds: 0.615 against 0.578, ahead on eight, 1.3 standard
-            errors), on the LoRA demo much less (evaluation 0.57 and 0.54 against 0.79 and 0.79, two seeds), so the default stays TRL's. TRL
-            expresses it too: its `temperature` set to this value, the sampling temperature in `generation_kwargs`.
+            errors), on the LoRA demo much less (evaluation 0.57 and 0.54 against 0.79 and 0.79, two seeds), so the
+            default stays TRL's. TRL expresses it too: its `temperature` set to this value, the sampling temperature
+            in `generation_kwargs`.
         top_p (`float`, *optional*, defaults to `0.6`):
             Nucleus sampling: sample among the most likely tokens that hold this much probability.
         top_k (`int` or `None`, *optional*, defaults to `50`):
