@@ -4,6 +4,7 @@
     python benchmarks/learning.py --seeds 0 --systems ours
     python benchmarks/learning.py --row "on-policy=steps_per_generation=1"   # an extra row: ours with a default changed
     python benchmarks/learning.py --chat --tag chat    # the prompts under the chat template, for both systems
+    python benchmarks/learning.py --systems ours --row "fp32=bf16=false" --forward-weights bf16   # a diagnostic
 
 The run is the documentation's length-ratio tutorial on SmolLM2-135M-Instruct, fully fine-tuned, one torch thread:
 ten prompts, `--epochs` 3, learning rate 5e-5, K=4 completions, 48 new tokens, written through each package's
@@ -220,11 +221,24 @@ def main():
         action="store_true",
         help="prompts as the chat template's text of one user message (runs named *-chat)",
     )
+    parser.add_argument(
+        "--forward-weights",
+        choices=["as-trained", "bf16", "bf16-stochastic"],
+        default="as-trained",
+        help="bf16: the --row runs (which must set bf16=false) multiply by their fp32 weights rounded to bf16, "
+        "everything else fp32 (weight_rounding.py); bf16-stochastic: rounded stochastically; their labels say so",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument(
         "--runs-dir", type=Path, default=RESULTS / "learning-runs", help="each run's result, reused when present"
     )
     args = parser.parse_args()
+    rounded = args.forward_weights != "as-trained"
+    if rounded and (not args.row or any(overrides.get("bf16") is not False for _, overrides in args.row)):
+        parser.error(
+            "--forward-weights bf16 applies to --row runs with bf16=false (under bf16 autocast the forward "
+            "rounds its weights already)"
+        )
 
     sys.path.insert(0, str(ROOT))
     from comlrl_trl.demo_model import demo_model_path
@@ -237,11 +251,22 @@ def main():
         ensure_peer_venv()
     row_seeds = args.seeds if args.row_seeds is None else args.row_seeds
     plan = [(system, system if system == "peer" else "ours (defaults)", {}, args.seeds) for system in args.systems]
-    plan += [("ours", f"ours, {label}", overrides, row_seeds) for label, overrides in args.row]
+    suffix = {
+        "as-trained": "",
+        "bf16": ", bf16 forward weights",
+        "bf16-stochastic": ", stochastic bf16 forward weights",
+    }
+    suffix = suffix[args.forward_weights]
+    plan += [("ours", f"ours, {label}{suffix}", overrides, row_seeds) for label, overrides in args.row]
     # Once per row, before any run: a row whose overrides MAGRPOConfig refuses fails here, not after hours of runs.
     configs = {
         label: effective_config(overrides) if system == "ours" else None for system, label, overrides, _ in plan
     }
+    rounded_rows = {label for _, label, _, _ in plan[len(args.systems) :]} if rounded else set()
+    for label in rounded_rows:
+        configs[label]["forward_weights"] = (
+            args.forward_weights
+        )  # a cached run without the rounding is not reused for it
 
     print("evaluating the untrained team ...", flush=True)
     initial = cached_run(
@@ -254,6 +279,8 @@ def main():
             if seed not in seeds:
                 continue
             settings = dict(base, seed=seed, output_dir=f"/tmp/learning-{system}-{seed}", overrides=overrides)
+            if label in rounded_rows:
+                settings["forward_weights"] = args.forward_weights
             print(f"{label}, seed {seed} ...", flush=True)
             run = cached_run(args.runs_dir, f"{slug(label)}{runs_suffix}-seed{seed}", system, settings, configs[label])
             run["seed"] = seed

@@ -72,13 +72,20 @@ def seed_everything(seed):
 
 
 def run_ours(s):
+    from contextlib import nullcontext
+
     from transformers import TrainerCallback
+    from weight_rounding import WeightRounding, seen_change
 
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
     seed_everything(s["seed"])
     tokenizer, agents = load_team(s["model"])
+    forward_weights = s.get("forward_weights", "as-trained")
+    rounding = None
+    if forward_weights != "as-trained":
+        rounding = WeightRounding(agents, stochastic=forward_weights == "bf16-stochastic", seed=s["seed"])
     config = MAGRPOConfig(
         output_dir=s["output_dir"],
         num_train_epochs=s["epochs"],
@@ -98,7 +105,15 @@ def run_ours(s):
     class EvaluateEachEpoch(TrainerCallback):
         def on_epoch_end(self, args, state, control, **kwargs):
             epoch = len(points) + 1
-            points.append(evaluation_point(s, clock, trainer.agents, [tokenizer] * 2, epoch, state.global_step))
+            change = None
+            if rounding is not None:  # measured while the clock counts evaluation time
+                begin = cpu_seconds()
+                change = seen_change(rounding.initial, rounding.master_weights())
+                clock.evaluating += cpu_seconds() - begin
+            with rounding.paused() if rounding is not None else nullcontext():  # evaluated as the other runs are
+                points.append(evaluation_point(s, clock, trainer.agents, [tokenizer] * 2, epoch, state.global_step))
+            if change is not None:
+                points[-1]["seen_change"] = change
 
     trainer = MAGRPOTrainer(
         agents=agents,

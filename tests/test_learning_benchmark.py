@@ -203,3 +203,94 @@ def test_gradient_sign_agreement_skips_zeros_and_splits_at_the_reference_median(
     assert result["sign agreement, larger half"] == 1.0
     # dot = -0.01 - 0.04 + 9 + 16 = 24.95; both norms are sqrt(25.05).
     assert result["cosine"] == pytest.approx(24.95 / 25.05)
+
+
+def test_rounded_forward_weights_are_bf16_and_their_gradient_is_the_fp32_one():
+    import torch
+    from torch import nn
+    from weight_rounding import WeightRounding
+
+    layer = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1 + 2**-9)  # bf16 keeps 7 bits after the point: rounds to 1.0
+    rounding = WeightRounding([nn.Sequential(layer)])
+    x = torch.tensor([[1 + 2**-10]])
+    out = layer(x)
+    assert out.item() == 1 + 2**-10  # weight 1.0: the rounded one
+    out.sum().backward()
+    # Straight through, not rounded to bf16 on the way back: d(w x)/dw = x = 1 + 2**-10 (bf16 would give 1.0).
+    assert layer.parametrizations.weight.original.grad.item() == 1 + 2**-10
+    with rounding.paused():
+        assert layer(torch.ones(1, 1)).item() == 1 + 2**-9  # the master weight, for the evaluation
+    with torch.no_grad():
+        assert layer(torch.ones(1, 1)).item() == 1.0
+        layer.parametrizations.weight.original.add_(2**-6)  # an optimiser step in place
+        assert layer(torch.ones(1, 1)).item() == 1 + 2**-6  # the kept rounded copy follows the step
+    assert rounding.initial[0].item() == 1 + 2**-9
+
+
+def test_weight_rounding_refuses_weights_that_are_not_fp32():
+    import torch
+    from torch import nn
+    from weight_rounding import WeightRounding
+
+    with pytest.raises(TypeError, match="fp32 weights"):
+        WeightRounding([nn.Linear(2, 2).to(torch.bfloat16)])
+
+
+def test_seen_change_compares_the_bf16_change_with_the_master_change():
+    import torch
+    from weight_rounding import seen_change
+
+    initial = [torch.tensor([1.0, 1.0])]
+    # +2**-9 is below half of bf16's step at 1 (2**-8): invisible. +2**-6 is two steps: seen exactly.
+    current = [torch.tensor([1 + 2**-9, 1 + 2**-6])]
+    result = seen_change(initial, current)
+    # d = (2**-9, 2**-6), e = (0, 2**-6): |d|^2 = 2**-12 (1 + 2**-6) = 2**-12 * 65/64, |e|^2 = e.d = 2**-12.
+    assert result["cosine"] == pytest.approx(8 / math.sqrt(65))
+    assert result["norm_ratio"] == pytest.approx(8 / math.sqrt(65))
+    assert result["error"] == pytest.approx(1 / math.sqrt(65))  # |e - d| = 2**-9
+    assert (result["changed"], result["moved"]) == (0.5, 1.0)
+
+
+def test_rounded_forward_weights_need_fp32_rows(monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys, "argv", ["learning.py", "--systems", "ours", "--row", "x=bf16=true", "--forward-weights", "bf16"]
+    )
+    with pytest.raises(SystemExit):
+        learning.main()
+    assert "--row runs with bf16=false" in capsys.readouterr().err
+
+
+def test_stochastic_bf16_rounds_to_a_neighbour_in_proportion_to_the_distance():
+    import torch
+    from weight_rounding import stochastic_bf16
+
+    # 1 + 2**-9 is a quarter of the way from 1 to its upper bf16 neighbour 1 + 2**-7; -(1 + 2**-9) mirrors it.
+    w = torch.tensor([1 + 2**-9, -(1 + 2**-9), 1.0]).repeat(100_000)
+    rounded = stochastic_bf16(w, torch.Generator().manual_seed(0)).float().view(-1, 3)
+    assert set(rounded[:, 0].unique().tolist()) == {1.0, 1 + 2**-7}
+    assert set(rounded[:, 1].unique().tolist()) == {-1.0, -(1 + 2**-7)}  # away from zero as often for negatives
+    assert (rounded[:, 2] == 1.0).all()  # values bf16 holds exactly stay
+    # Binomial(100000, 1/4): standard deviation 0.0014 of the fraction.
+    assert (rounded[:, 0] > 1).float().mean().item() == pytest.approx(0.25, abs=0.007)
+    assert (rounded[:, 1] < -1).float().mean().item() == pytest.approx(0.25, abs=0.007)
+
+
+def test_stochastic_rounding_draws_once_per_value_of_the_weight():
+    import torch
+    from torch import nn
+    from weight_rounding import WeightRounding
+
+    layer = nn.Linear(4096, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1 + 2**-9)
+    WeightRounding([layer], stochastic=True, seed=0)
+    ones = torch.ones(1, 4096)
+    first = layer(ones)
+    with torch.no_grad():
+        assert layer(ones).item() == first.item()  # generation and the loss see the same copy of one value
+        layer.parametrizations.weight.original.add_(2**-20)  # a step: a new value, a new draw
+        assert layer(ones).item() != first.item()
+    # About a quarter of the 4096 weights rounded up by 2**-7: 4096 + 1024 * 2**-7 = 4104 on average.
+    assert first.item() == pytest.approx(4104, abs=1.5)

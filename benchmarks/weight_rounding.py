@@ -1,0 +1,116 @@
+"""A diagnostic for the learning benchmark: fp32 training whose forward sees every linear weight rounded to bf16.
+
+bf16 autocast changes two things at once: the weights a forward multiplies by (the fp32 master weights rounded to
+bf16) and the precision of the activations. `WeightRounding` separates the first: each `nn.Linear` weight of
+an fp32 model is read through a parametrization that rounds it to bf16 (and back to fp32) while the products,
+activations and the optimiser's master weights stay fp32; its gradient passes straight through to the master weight,
+as autocast's cast does. A learning run with it (`learning.py --forward-weights bf16`) shows how much of bf16's cost
+to learning comes from the weights alone.
+
+`seen_change` measures why that can matter: how much of the change training made to the master weights a bf16
+forward sees, `round(W) - round(W0)` against `W - W0`.
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+
+def stochastic_bf16(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`w` (fp32) rounded to one of its two bf16 neighbours, the upper with probability its distance from the lower
+    over their spacing: a uniform 16-bit integer added to the fp32 bits below bf16's, then those bits dropped."""
+    noise = torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, generator=generator)
+    return (w.view(torch.int32) + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """The rounded copy of `w` in the forward; the gradient reaches `w` unchanged (not rounded to bf16)."""
+
+    @staticmethod
+    def forward(ctx, w, rounded):
+        return rounded.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RoundToBf16(nn.Module):
+    """The parametrization: one rounded copy per value of the weight, for generation and the loss alike."""
+
+    def __init__(self, rounding: "WeightRounding"):
+        super().__init__()
+        self.rounding = rounding
+        self._key, self._rounded = None, None
+
+    def forward(self, w):
+        if not self.rounding.enabled:
+            return w
+        key = (w.data_ptr(), w._version)  # the optimiser's in-place step bumps the version
+        if key != self._key:
+            self._key, self._rounded = key, self.rounding.round(w.detach()).to(w.dtype)
+        if torch.is_grad_enabled() and w.requires_grad:
+            return _StraightThrough.apply(w, self._rounded)
+        return self._rounded
+
+
+class WeightRounding:
+    """The rounding of `models`' linear weights, on from construction; `paused()` reads the master weights.
+
+    `stochastic=False` rounds to the nearest bf16 value, as autocast's cast does; `stochastic=True` draws one of the
+    two nearest at each new value of a weight (`stochastic_bf16`, from a generator of its own seeded with `seed`, so
+    that the run's sampling draws the same random numbers), unbiased: on average the forward sees the master weight.
+    """
+
+    def __init__(self, models, stochastic: bool = False, seed: int = 0):
+        self.enabled = True
+        self.generator = torch.Generator().manual_seed(seed) if stochastic else None
+        self.modules = [m for model in models for m in model.modules() if isinstance(m, nn.Linear)]
+        if any(m.weight.dtype != torch.float32 for m in self.modules):
+            raise TypeError("WeightRounding needs fp32 weights: bf16 weights have nothing left to round.")
+        self.initial = [m.weight.detach().clone() for m in self.modules]
+        for module in self.modules:
+            parametrize.register_parametrization(module, "weight", _RoundToBf16(self), unsafe=True)
+
+    def round(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(torch.bfloat16) if self.generator is None else stochastic_bf16(w, self.generator)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return [m.parametrizations.weight.original.detach() for m in self.modules]
+
+    @contextmanager
+    def paused(self):
+        """The master weights as they are, e.g. for an evaluation that must match the other runs' (fp32) one."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+def seen_change(initial: list[torch.Tensor], current: list[torch.Tensor]) -> dict:
+    """How the change a bf16 forward sees, `e = round(W) - round(W0)`, compares with the master's, `d = W - W0`.
+
+    `cosine` and `norm_ratio` (|e| / |d|) over all elements together; `error` is |e - d| / |d|; `changed` the
+    fraction of elements whose bf16 value changed, `moved` of those whose master value did."""
+    dd = ee = ed = err = 0.0
+    moved = changed = total = 0
+    for w0, w in zip(initial, current, strict=True):
+        d = w.double() - w0.double()
+        e = w.to(torch.bfloat16).double() - w0.to(torch.bfloat16).double()
+        dd += float((d * d).sum())
+        ee += float((e * e).sum())
+        ed += float((e * d).sum())
+        err += float(((e - d) ** 2).sum())
+        moved += int((d != 0).sum())
+        changed += int((e != 0).sum())
+        total += d.numel()
+    return {
+        "cosine": ed / (dd * ee) ** 0.5 if dd and ee else 0.0,
+        "norm_ratio": (ee / dd) ** 0.5 if dd else 0.0,
+        "error": (err / dd) ** 0.5 if dd else 0.0,
+        "changed": changed / total,
+        "moved": moved / total,
+    }
