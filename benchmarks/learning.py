@@ -223,10 +223,11 @@ def main():
     )
     parser.add_argument(
         "--forward-weights",
-        choices=["as-trained", "bf16", "bf16-stochastic"],
+        choices=["as-trained", "bf16", "bf16-stochastic", "bf16-relative"],
         default="as-trained",
         help="bf16: the --row runs (which must set bf16=false) multiply by their fp32 weights rounded to bf16, "
-        "everything else fp32 (weight_rounding.py); bf16-stochastic: rounded stochastically; their labels say so",
+        "everything else fp32 (weight_rounding.py); bf16-stochastic: rounded stochastically; bf16-relative: the "
+        "initial weights' bf16 values moved by whole spacings (relative_bf16); their labels say so",
     )
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument(
@@ -255,8 +256,8 @@ def main():
         "as-trained": "",
         "bf16": ", bf16 forward weights",
         "bf16-stochastic": ", stochastic bf16 forward weights",
-    }
-    suffix = suffix[args.forward_weights]
+        "bf16-relative": ", relative bf16 forward weights",
+    }[args.forward_weights]
     plan += [("ours", f"ours, {label}{suffix}", overrides, row_seeds) for label, overrides in args.row]
     # Once per row, before any run: a row whose overrides MAGRPOConfig refuses fails here, not after hours of runs.
     configs = {

@@ -85,7 +85,8 @@ def run_ours(s):
     forward_weights = s.get("forward_weights", "as-trained")
     rounding = None
     if forward_weights != "as-trained":
-        rounding = WeightRounding(agents, stochastic=forward_weights == "bf16-stochastic", seed=s["seed"])
+        mode = {"bf16": "nearest", "bf16-stochastic": "stochastic", "bf16-relative": "relative"}[forward_weights]
+        rounding = WeightRounding(agents, mode=mode, seed=s["seed"])
     config = MAGRPOConfig(
         output_dir=s["output_dir"],
         num_train_epochs=s["epochs"],

@@ -12,6 +12,7 @@ forward sees, `round(W) - round(W0)` against `W - W0`.
 """
 
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
@@ -23,6 +24,17 @@ def stochastic_bf16(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     over their spacing: a uniform 16-bit integer added to the fp32 bits below bf16's, then those bits dropped."""
     noise = torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, generator=generator)
     return (w.view(torch.int32) + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
+
+
+def relative_bf16(w: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
+    """`w0`'s bf16 value moved by `w - w0` rounded to whole bf16 spacings at that value: a weight moves by no more
+    than half a spacing beyond what its master moved, and not at all before its master moved half a spacing (nearest
+    rounding of `w` itself can move it by a whole spacing for the smallest change, where `w0` lies near a boundary)."""
+    base = w0.to(torch.bfloat16).float()
+    spacing = torch.ldexp(torch.ones_like(base), torch.frexp(base).exponent - 8)  # 8 significant bits
+    change = w - w0
+    change = torch.where(base == 0, change, torch.round(change / spacing) * spacing)
+    return (base + change).to(torch.bfloat16)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -40,9 +52,9 @@ class _StraightThrough(torch.autograd.Function):
 class _RoundToBf16(nn.Module):
     """The parametrization: one rounded copy per value of the weight, for generation and the loss alike."""
 
-    def __init__(self, rounding: "WeightRounding"):
+    def __init__(self, rounding: "WeightRounding", index: int):
         super().__init__()
-        self.rounding = rounding
+        self.rounding, self.index = rounding, index
         self._key, self._rounded = None, None
 
     def forward(self, w):
@@ -50,7 +62,7 @@ class _RoundToBf16(nn.Module):
             return w
         key = (w.data_ptr(), w._version)  # the optimiser's in-place step bumps the version
         if key != self._key:
-            self._key, self._rounded = key, self.rounding.round(w.detach()).to(w.dtype)
+            self._key, self._rounded = key, self.rounding.round(w.detach(), self.index).to(w.dtype)
         if torch.is_grad_enabled() and w.requires_grad:
             return _StraightThrough.apply(w, self._rounded)
         return self._rounded
@@ -59,23 +71,30 @@ class _RoundToBf16(nn.Module):
 class WeightRounding:
     """The rounding of `models`' linear weights, on from construction; `paused()` reads the master weights.
 
-    `stochastic=False` rounds to the nearest bf16 value, as autocast's cast does; `stochastic=True` draws one of the
-    two nearest at each new value of a weight (`stochastic_bf16`, from a generator of its own seeded with `seed`, so
-    that the run's sampling draws the same random numbers), unbiased: on average the forward sees the master weight.
+    `mode`: "nearest" rounds to the nearest bf16 value, as autocast's cast does; "stochastic" draws one of the two
+    nearest at each new value of a weight (`stochastic_bf16`, from a generator of its own seeded with `seed`, so that
+    the run's sampling draws the same random numbers), unbiased: on average the forward sees the master weight;
+    "relative" moves the initial weight's bf16 value by the master's change in whole spacings (`relative_bf16`).
     """
 
-    def __init__(self, models, stochastic: bool = False, seed: int = 0):
-        self.enabled = True
-        self.generator = torch.Generator().manual_seed(seed) if stochastic else None
+    def __init__(self, models, mode: Literal["nearest", "stochastic", "relative"] = "nearest", seed: int = 0):
+        if mode not in ("nearest", "stochastic", "relative"):
+            raise ValueError(f"mode must be 'nearest', 'stochastic' or 'relative', got {mode!r}")
+        self.enabled, self.mode = True, mode
+        self.generator = torch.Generator().manual_seed(seed)
         self.modules = [m for model in models for m in model.modules() if isinstance(m, nn.Linear)]
         if any(m.weight.dtype != torch.float32 for m in self.modules):
             raise TypeError("WeightRounding needs fp32 weights: bf16 weights have nothing left to round.")
         self.initial = [m.weight.detach().clone() for m in self.modules]
-        for module in self.modules:
-            parametrize.register_parametrization(module, "weight", _RoundToBf16(self), unsafe=True)
+        for index, module in enumerate(self.modules):
+            parametrize.register_parametrization(module, "weight", _RoundToBf16(self, index), unsafe=True)
 
-    def round(self, w: torch.Tensor) -> torch.Tensor:
-        return w.to(torch.bfloat16) if self.generator is None else stochastic_bf16(w, self.generator)
+    def round(self, w: torch.Tensor, index: int) -> torch.Tensor:
+        if self.mode == "stochastic":
+            return stochastic_bf16(w, self.generator)
+        if self.mode == "relative":
+            return relative_bf16(w, self.initial[index])
+        return w.to(torch.bfloat16)
 
     def master_weights(self) -> list[torch.Tensor]:
         return [m.parametrizations.weight.original.detach() for m in self.modules]

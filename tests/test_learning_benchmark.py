@@ -285,7 +285,7 @@ def test_stochastic_rounding_draws_once_per_value_of_the_weight():
     layer = nn.Linear(4096, 1, bias=False)
     with torch.no_grad():
         layer.weight.fill_(1 + 2**-9)
-    WeightRounding([layer], stochastic=True, seed=0)
+    WeightRounding([layer], mode="stochastic", seed=0)
     ones = torch.ones(1, 4096)
     first = layer(ones)
     with torch.no_grad():
@@ -294,3 +294,19 @@ def test_stochastic_rounding_draws_once_per_value_of_the_weight():
         assert layer(ones).item() != first.item()
     # About a quarter of the 4096 weights rounded up by 2**-7: 4096 + 1024 * 2**-7 = 4104 on average.
     assert first.item() == pytest.approx(4104, abs=1.5)
+
+
+def test_relative_rounding_moves_a_weight_only_by_whole_spacings_of_its_own_change():
+    import torch
+    from weight_rounding import relative_bf16
+
+    # w0 just below the midpoint between 1 and 1 + 2**-7 (bf16 value 1.0); a change of 2**-11 takes it past the midpoint:
+    # nearest rounding jumps a whole spacing, relative rounding stays (2**-11 is under half a spacing, 2**-8).
+    w0 = torch.tensor([1 + 2**-8 - 2**-12, 1 + 2**-8 - 2**-12, -0.75, 0.0])
+    w = w0 + torch.tensor([2**-11, 3 * 2**-8, -(2**-8), 2**-20])
+    assert w[0].to(torch.bfloat16).item() == 1 + 2**-7
+    rounded = relative_bf16(w, w0).float()
+    assert rounded[0].item() == 1.0
+    assert rounded[1].item() == 1 + 2**-6  # 1.5 spacings, rounded half to even: 2 spacings of 2**-7
+    assert rounded[2].item() == -0.75 - 2**-8  # the spacing at 0.75 is 2**-8: one spacing
+    assert rounded[3].item() == 2**-20  # at zero the change itself, which bf16 holds
