@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from bench import PEER_PYTHON, ensure_peer_venv
+from weight_rounding import FORWARD_WEIGHTS
 
 
 HERE = Path(__file__).resolve().parent
@@ -223,7 +224,7 @@ def main():
     )
     parser.add_argument(
         "--forward-weights",
-        choices=["as-trained", "bf16", "bf16-stochastic", "bf16-relative"],
+        choices=["as-trained", *FORWARD_WEIGHTS],
         default="as-trained",
         help="bf16: the --row runs (which must set bf16=false) multiply by their fp32 weights rounded to bf16, "
         "everything else fp32 (weight_rounding.py); bf16-stochastic: rounded stochastically; bf16-relative: the "
@@ -237,8 +238,8 @@ def main():
     rounded = args.forward_weights != "as-trained"
     if rounded and (not args.row or any(overrides.get("bf16") is not False for _, overrides in args.row)):
         parser.error(
-            "--forward-weights bf16 applies to --row runs with bf16=false (under bf16 autocast the forward "
-            "rounds its weights already)"
+            f"--forward-weights {args.forward_weights} applies to --row runs with bf16=false (under bf16 autocast "
+            "the forward rounds its weights already)"
         )
 
     sys.path.insert(0, str(ROOT))
@@ -264,10 +265,8 @@ def main():
         label: effective_config(overrides) if system == "ours" else None for system, label, overrides, _ in plan
     }
     rounded_rows = {label for _, label, _, _ in plan[len(args.systems) :]} if rounded else set()
-    for label in rounded_rows:
-        configs[label]["forward_weights"] = (
-            args.forward_weights
-        )  # a cached run without the rounding is not reused for it
+    for label in rounded_rows:  # so that a cached run without the rounding is not reused for it
+        configs[label]["forward_weights"] = args.forward_weights
 
     print("evaluating the untrained team ...", flush=True)
     initial = cached_run(

@@ -75,18 +75,16 @@ def run_ours(s):
     from contextlib import nullcontext
 
     from transformers import TrainerCallback
-    from weight_rounding import WeightRounding, seen_change
+    from weight_rounding import FORWARD_WEIGHTS, WeightRounding, seen_change
 
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
     seed_everything(s["seed"])
     tokenizer, agents = load_team(s["model"])
-    forward_weights = s.get("forward_weights", "as-trained")
     rounding = None
-    if forward_weights != "as-trained":
-        mode = {"bf16": "nearest", "bf16-stochastic": "stochastic", "bf16-relative": "relative"}[forward_weights]
-        rounding = WeightRounding(agents, mode=mode, seed=s["seed"])
+    if s.get("forward_weights", "as-trained") != "as-trained":
+        rounding = WeightRounding(agents, mode=FORWARD_WEIGHTS[s["forward_weights"]], seed=s["seed"])
     config = MAGRPOConfig(
         output_dir=s["output_dir"],
         num_train_epochs=s["epochs"],

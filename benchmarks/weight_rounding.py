@@ -68,6 +68,10 @@ class _RoundToBf16(nn.Module):
         return self._rounded
 
 
+# `learning.py --forward-weights` choices and the rounding each selects.
+FORWARD_WEIGHTS = {"bf16": "nearest", "bf16-stochastic": "stochastic", "bf16-relative": "relative"}
+
+
 class WeightRounding:
     """The rounding of `models`' linear weights, on from construction; `paused()` reads the master weights.
 
