@@ -264,7 +264,7 @@ def main():
     configs = {
         label: effective_config(overrides) if system == "ours" else None for system, label, overrides, _ in plan
     }
-    rounded_rows = {label for _, label, _, _ in plan[len(args.systems) :]} if rounded else set()
+    rounded_rows = {f"ours, {label}{suffix}" for label, _ in args.row} if rounded else set()
     for label in rounded_rows:  # so that a cached run without the rounding is not reused for it
         configs[label]["forward_weights"] = args.forward_weights
 

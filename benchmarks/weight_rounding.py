@@ -8,7 +8,10 @@ as autocast's cast does. A learning run with it (`learning.py --forward-weights 
 to learning comes from the weights alone.
 
 `seen_change` measures why that can matter: how much of the change training made to the master weights a bf16
-forward sees, `round(W) - round(W0)` against `W - W0`.
+forward sees, `round(W) - round(W0)` against `W - W0`. Run as a script, it prints how the tutorial's optimiser step
+compares with bf16's spacing at the demo model's weights (`spacing_summary`):
+
+    python benchmarks/weight_rounding.py [--lr 5e-5] [--json F]
 """
 
 from contextlib import contextmanager
@@ -26,12 +29,34 @@ def stochastic_bf16(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return (w.view(torch.int32) + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
+def bf16_spacing(w: torch.Tensor) -> torch.Tensor:
+    """The distance between neighbouring bf16 values at each element of `w` (bf16 keeps 8 significant bits)."""
+    return torch.ldexp(torch.ones_like(w, dtype=torch.float32), torch.frexp(w.float()).exponent - 8)
+
+
+def spacing_summary(weights: list[torch.Tensor], step: float) -> dict:
+    """How an optimiser step of `step` compares with bf16's spacing at the weights (each at its bf16 value).
+
+    `median_magnitude` over all elements; `median_spacing` and `above_four_steps` (the fraction whose spacing exceeds
+    four steps) over the non-zero ones, where the spacing is set by the weight's own magnitude."""
+    flat = torch.cat([w.detach().flatten().float() for w in weights])
+    nonzero = flat[flat != 0].to(torch.bfloat16).float()
+    spacing = bf16_spacing(nonzero)
+    return {
+        "step": step,
+        "median_magnitude": flat.abs().median().item(),
+        "median_spacing": spacing.median().item(),
+        "above_four_steps": (spacing > 4 * step).float().mean().item(),
+        "elements": flat.numel(),
+    }
+
+
 def relative_bf16(w: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
     """`w0`'s bf16 value moved by `w - w0` rounded to whole bf16 spacings at that value: a weight moves by no more
     than half a spacing beyond what its master moved, and not at all before its master moved half a spacing (nearest
     rounding of `w` itself can move it by a whole spacing for the smallest change, where `w0` lies near a boundary)."""
     base = w0.to(torch.bfloat16).float()
-    spacing = torch.ldexp(torch.ones_like(base), torch.frexp(base).exponent - 8)  # 8 significant bits
+    spacing = bf16_spacing(base)
     change = w - w0
     change = torch.where(base == 0, change, torch.round(change / spacing) * spacing)
     return (base + change).to(torch.bfloat16)
@@ -137,3 +162,30 @@ def seen_change(initial: list[torch.Tensor], current: list[torch.Tensor]) -> dic
         "changed": changed / total,
         "moved": moved / total,
     }
+
+
+def main():
+    import argparse
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from comlrl_trl.demo_model import demo_model_path
+
+    parser = argparse.ArgumentParser(description="bf16's spacing at the demo model's weights against an AdamW step")
+    parser.add_argument("--lr", type=float, default=5e-5, help="the step (AdamW moves a weight by about lr or less)")
+    parser.add_argument("--json", type=Path, help="also write the summary here")
+    args = parser.parse_args()
+    tensors = {}
+    for path in sorted(Path(demo_model_path()).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    summary = spacing_summary([t for t in tensors.values() if t.dim() == 2], args.lr)  # the weight matrices
+    for key, value in summary.items():
+        print(f"{key:<18} {value:.6g}")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -310,3 +310,15 @@ def test_relative_rounding_moves_a_weight_only_by_whole_spacings_of_its_own_chan
     assert rounded[1].item() == 1 + 2**-6  # 1.5 spacings, rounded half to even: 2 spacings of 2**-7
     assert rounded[2].item() == -0.75 - 2**-8  # the spacing at 0.75 is 2**-8: one spacing
     assert rounded[3].item() == 2**-20  # at zero the change itself, which bf16 holds
+
+
+def test_spacing_summary_compares_the_step_with_bf16_spacing_at_each_weight():
+    import torch
+    from weight_rounding import spacing_summary
+
+    # Spacings: 0.75 in [0.5, 1): 2**-8 = 0.0039; -0.1 in [2**-4, 2**-3): 2**-11; 3.0 in [2, 4): 2**-6. Zero is left out.
+    summary = spacing_summary([torch.tensor([[0.75, -0.1], [0.0, 3.0]])], step=1e-3)
+    assert summary["median_magnitude"] == pytest.approx(0.1, rel=1e-6)  # torch's lower middle of 0, 0.1, 0.75, 3
+    assert summary["median_spacing"] == 2**-8
+    assert summary["above_four_steps"] == pytest.approx(1 / 3)  # only 2**-6 exceeds 0.004; 2**-8 = 0.0039 does not
+    assert summary["elements"] == 4
