@@ -253,12 +253,7 @@ def main():
         ensure_peer_venv()
     row_seeds = args.seeds if args.row_seeds is None else args.row_seeds
     plan = [(system, system if system == "peer" else "ours (defaults)", {}, args.seeds) for system in args.systems]
-    suffix = {
-        "as-trained": "",
-        "bf16": ", bf16 forward weights",
-        "bf16-stochastic": ", stochastic bf16 forward weights",
-        "bf16-relative": ", relative bf16 forward weights",
-    }[args.forward_weights]
+    suffix = f", {FORWARD_WEIGHTS[args.forward_weights].label}" if rounded else ""
     plan += [("ours", f"ours, {label}{suffix}", overrides, row_seeds) for label, overrides in args.row]
     # Once per row, before any run: a row whose overrides MAGRPOConfig refuses fails here, not after hours of runs.
     configs = {

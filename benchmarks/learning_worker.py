@@ -84,7 +84,7 @@ def run_ours(s):
     tokenizer, agents = load_team(s["model"])
     rounding = None
     if s.get("forward_weights", "as-trained") != "as-trained":
-        rounding = WeightRounding(agents, mode=FORWARD_WEIGHTS[s["forward_weights"]], seed=s["seed"])
+        rounding = WeightRounding(agents, mode=FORWARD_WEIGHTS[s["forward_weights"]].mode, seed=s["seed"])
     config = MAGRPOConfig(
         output_dir=s["output_dir"],
         num_train_epochs=s["epochs"],

@@ -15,7 +15,7 @@ compares with bf16's spacing at the demo model's weights (`spacing_summary`):
 """
 
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -93,8 +93,20 @@ class _RoundToBf16(nn.Module):
         return self._rounded
 
 
-# `learning.py --forward-weights` choices and the rounding each selects.
-FORWARD_WEIGHTS = {"bf16": "nearest", "bf16-stochastic": "stochastic", "bf16-relative": "relative"}
+Mode = Literal["nearest", "stochastic", "relative"]
+
+
+class ForwardWeights(NamedTuple):
+    mode: Mode
+    label: str  # appended to a learning.py row's label, and so to its runs' file names
+
+
+# `learning.py --forward-weights` choices: the rounding each selects and how its rows are labelled.
+FORWARD_WEIGHTS = {
+    "bf16": ForwardWeights("nearest", "bf16 forward weights"),
+    "bf16-stochastic": ForwardWeights("stochastic", "stochastic bf16 forward weights"),
+    "bf16-relative": ForwardWeights("relative", "relative bf16 forward weights"),
+}
 
 
 class WeightRounding:
@@ -106,8 +118,8 @@ class WeightRounding:
     "relative" moves the initial weight's bf16 value by the master's change in whole spacings (`relative_bf16`).
     """
 
-    def __init__(self, models, mode: Literal["nearest", "stochastic", "relative"] = "nearest", seed: int = 0):
-        if mode not in ("nearest", "stochastic", "relative"):
+    def __init__(self, models, mode: Mode = "nearest", seed: int = 0):
+        if mode not in get_args(Mode):
             raise ValueError(f"mode must be 'nearest', 'stochastic' or 'relative', got {mode!r}")
         self.enabled, self.mode = True, mode
         self.generator = torch.Generator().manual_seed(seed)

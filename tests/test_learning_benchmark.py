@@ -236,6 +236,8 @@ def test_weight_rounding_refuses_weights_that_are_not_fp32():
 
     with pytest.raises(TypeError, match="fp32 weights"):
         WeightRounding([nn.Linear(2, 2).to(torch.bfloat16)])
+    with pytest.raises(ValueError, match="mode must be 'nearest', 'stochastic' or 'relative'"):
+        WeightRounding([nn.Linear(2, 2)], mode="truncate")
 
 
 def test_seen_change_compares_the_bf16_change_with_the_master_change():
