@@ -6,8 +6,11 @@ YAML file raises an error naming the replacement, instead of a bare "unexpected 
 docs/migrating-from-comlrl.md for the whole mapping.
 """
 
+import dataclasses
+import difflib
 import sys
-from collections.abc import Iterable, Mapping
+import typing
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from trl import TrlParser
@@ -86,6 +89,14 @@ RENAMED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
         "results will differ)",
     ),
     ("rl_algorithm", "mareforce"): ("mareinforce", ""),
+    # An algorithm's name where its group baseline is meant (`algorithm` in the recipes sets advantage_mode).
+    **{
+        ("advantage_mode", algorithm): (
+            mode,
+            f" ({algorithm.upper()}'s group baseline: advantage_mode names the baseline)",
+        )
+        for algorithm, mode in (("magrpo", "mean"), ("mareinforce", "raw"), ("marloo", "rloo"), ("maremax", "max"))
+    },
 }
 _LOWER_CASE_FIELDS = ("joint_mode", "advantage_mode", "rl_algorithm", "algorithm")
 
@@ -94,8 +105,11 @@ def removed_field_message(name: str, where: str) -> str:
     return f"{where}: `{name}` is a CoMLRL field that comlrl_trl does not have; {REMOVED_FIELDS[name]}."
 
 
-def renamed_value_message(name: str, value: Any, where: str) -> str | None:
-    """The error for a CoMLRL spelling of a value (an alias or another case), or None if `value` is not one."""
+def renamed_value_message(name: str, value: Any, where: str, choices: Collection[str] | None = None) -> str | None:
+    """The error for a CoMLRL spelling of a value (an alias or another case), or None if `value` is not one.
+
+    With `choices` (the field's accepted values), a lower-case spelling is suggested only when it is one of them.
+    """
     if not isinstance(value, str):
         return None
     renamed = RENAMED_VALUES.get((name, value.lower()))
@@ -103,18 +117,42 @@ def renamed_value_message(name: str, value: Any, where: str) -> str | None:
         accepted, note = renamed
         return f"{where}: {name}={value!r} is CoMLRL's spelling; use {name}={accepted!r}{note}."
     if name in _LOWER_CASE_FIELDS and value != value.lower():
-        return f"{where}: {name}={value!r}: the names are lower-case here; use {name}={value.lower()!r}."
+        if choices is None or value.lower() in choices:
+            return f"{where}: {name}={value!r}: the names are lower-case here; use {name}={value.lower()!r}."
+        return f"{where}: {name}={value!r} is not one of {', '.join(map(repr, choices))}."
     return None
 
 
-def check_comlrl_names(settings: Mapping[str, Any], where: str, error: type[Exception] = TypeError) -> None:
-    """Raise `error` for the first removed CoMLRL field or CoMLRL value spelling in `settings`."""
+def check_comlrl_names(
+    settings: Mapping[str, Any],
+    where: str,
+    error: type[Exception] = TypeError,
+    choices: Mapping[str, Collection[str]] | None = None,
+) -> None:
+    """Raise `error` for the first removed CoMLRL field or CoMLRL value spelling in `settings` (`choices`: the
+    accepted values of the choice fields)."""
     for name, value in settings.items():
         if name in REMOVED_FIELDS:
             raise error(removed_field_message(name, where))
-        message = renamed_value_message(name, value, where)
+        message = renamed_value_message(name, value, where, (choices or {}).get(name))
         if message is not None:
             raise error(message)
+
+
+def unknown_field_message(name: str, known: Iterable[str], where: str) -> str:
+    """The error for a field no configuration has: the CoMLRL explanation, or the closest known name."""
+    if name in REMOVED_FIELDS:
+        return removed_field_message(name, where)
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else "see the configuration class or --help for its fields."
+    return f"unknown field {name!r} ({where}); {hint}"
+
+
+def _choices(cls) -> dict[str, tuple]:
+    """The accepted values of the `Literal` fields of dataclass `cls`."""
+    return {
+        f.name: typing.get_args(f.type) for f in dataclasses.fields(cls) if typing.get_origin(f.type) is typing.Literal
+    }
 
 
 def check_comlrl_options(argv: Iterable[str]) -> None:
@@ -128,28 +166,57 @@ def check_comlrl_options(argv: Iterable[str]) -> None:
 
 class CoMLRLFieldErrors:
     """Mixin of the configuration classes: a CoMLRL field or value spelling passed to the constructor is an error
-    that names its replacement (checked before the dataclass `__init__`, which would only say "unexpected")."""
+    that names its replacement, and any other unknown keyword one that names the closest fields (checked before the
+    dataclass `__init__`, which would only say "unexpected keyword argument")."""
 
     def __new__(cls, *args, **kwargs):
-        check_comlrl_names(kwargs, cls.__name__)
+        check_comlrl_names(kwargs, cls.__name__, choices=_choices(cls))
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        for name in kwargs:
+            if name not in known:
+                raise TypeError(f"{cls.__name__}: " + unknown_field_message(name, known, "keyword argument"))
         return super().__new__(cls)
 
 
 class CompatTrlParser(TrlParser):
-    """TRL's `TrlParser` that explains CoMLRL field names and checks the choices of values read from a YAML file.
+    """TRL's `TrlParser` that explains unknown field names and checks the choices of values read from a YAML file.
 
-    TrlParser turns unknown YAML keys into a generic "Unknown arguments" error and takes YAML values of choice
-    options (`Literal` fields) without checking them; this parser names the replacement of a CoMLRL field (on the
-    command line too) and refuses a YAML value outside an option's choices, naming the accepted ones.
+    TrlParser turns unknown YAML keys and options into a generic "Unknown arguments" error and takes YAML values of
+    choice options (`Literal` fields) without checking them; this parser names the replacement of a CoMLRL field,
+    suggests the closest field for a typo (in the YAML file and on the command line) and refuses a YAML value
+    outside an option's choices, naming the accepted ones.
     """
+
+    _config_path: str | None = None
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, *rest, **kwargs):
         args = list(args) if args is not None else sys.argv[1:]
         check_comlrl_options(args)
+        self._config_path = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+        if not rest and not kwargs.get("return_remaining_strings") and kwargs.get("fail_with_unknown_args", True):
+            self._check_options(args)
         return super().parse_args_and_config(args, *rest, **kwargs)
 
+    def _check_options(self, argv: list[str]) -> None:
+        """A ValueError for the first `--name` on the command line that is no option, with the closest ones."""
+        options = {option for action in self._actions for option in action.option_strings}
+        for arg in argv:
+            option = arg.split("=", 1)[0]
+            if option in options or not option.startswith("--") or option == "--config":
+                continue
+            if self.allow_abbrev and any(known.startswith(option) for known in options):
+                continue  # argparse takes a unique prefix, and names an ambiguous one itself
+            known = [name[2:] for name in options if name.startswith("--") and "-" not in name[2:]]
+            raise ValueError(unknown_field_message(option[2:], known, "on the command line"))
+
     def set_defaults_with_config(self, **config) -> list[str]:
-        check_comlrl_names(config, "config file", error=ValueError)
+        where = f"config file {self._config_path}" if self._config_path else "config file"
+        choices = {action.dest: action.choices for action in self._actions if action.choices is not None}
+        check_comlrl_names(config, "config file", error=ValueError, choices=choices)
+        dests = {action.dest for action in self._actions}
+        for name in config:
+            if name not in dests:
+                raise ValueError(unknown_field_message(name, sorted(dests - {"help"}), f"in {where}"))
         for action in self._actions:
             if action.choices is None or config.get(action.dest) is None:
                 continue

@@ -1,5 +1,6 @@
 """Configuration of MADPO: joint direct preference optimisation of a team of agents."""
 
+import math
 from dataclasses import dataclass, field
 
 from .preference_config import PreferenceConfig
@@ -44,8 +45,12 @@ class MADPOConfig(PreferenceConfig):
     )
 
     def __post_init__(self):
-        if isinstance(self.dpo_beta, bool) or not isinstance(self.dpo_beta, (int, float)) or self.dpo_beta <= 0:
-            raise ValueError(f"dpo_beta must be a number > 0, got {self.dpo_beta!r}.")
+        if (
+            isinstance(self.dpo_beta, bool)
+            or not isinstance(self.dpo_beta, (int, float))
+            or not 0 < self.dpo_beta < math.inf
+        ):
+            raise ValueError(f"dpo_beta must be a finite number > 0, got {self.dpo_beta!r}.")
         if self.num_generations is not None and self.num_generations != self.preference_num_candidates:
             raise ValueError(
                 f"num_generations={self.num_generations} differs from preference_num_candidates="

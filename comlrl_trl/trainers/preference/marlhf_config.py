@@ -1,6 +1,7 @@
 """Configuration of MARLHF: learn a joint reward model from preferences, then train the team against it."""
 
 import copy
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
@@ -164,10 +165,10 @@ class MARLHFConfig(PreferenceConfig):
         validate_critic_fields(self)
 
     def _validate_reward_fields(self):
-        if self.reward_learning_rate <= 0:
-            raise ValueError(f"reward_learning_rate must be > 0, got {self.reward_learning_rate}.")
-        if self.reward_num_train_epochs <= 0:
-            raise ValueError(f"reward_num_train_epochs must be > 0, got {self.reward_num_train_epochs}.")
+        for name in ("reward_learning_rate", "reward_num_train_epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
         for name in ("reward_train_batch_size", "reward_max_length"):
             value = getattr(self, name)
             if value is None and name == "reward_max_length":

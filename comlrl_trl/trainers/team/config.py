@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from trl import GRPOConfig
 
-from ...agent_overrides import check_positive, validate_agent_overrides
+from ...agent_overrides import PER_AGENT_FIELDS, check_positive, validate_agent_overrides
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
 from ...hardware import bf16_is_fast, cpu_bf16_pays_off
@@ -454,7 +454,19 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         self.steps_per_generation = self.gradient_accumulation_steps * updates
         self.generation_batch_size = self.per_device_train_batch_size * self.world_size * self.steps_per_generation
 
+    def _check_ranges(self):
+        """Numeric fields out of range fail here, naming the field, not later inside torch or the sampler."""
+        for name, check in _RANGE_CHECKS.items():
+            value = getattr(self, name, None)
+            if (problem := check(value)) is not None:
+                alias, default = _RANGE_ALIASES.get(name, (None, self.__dataclass_fields__[name].default))
+                raise ValueError(
+                    f"{name}{f' ({alias})' if alias else ''} must be {problem}, got {value!r}; set it in range, or "
+                    f"leave it unset for the default ({default!r})."
+                )
+
     def _validate_multi_agent_fields(self):
+        self._check_ranges()
         if self.max_prompt_length is not None and (
             isinstance(self.max_prompt_length, bool)
             or not isinstance(self.max_prompt_length, int)
@@ -525,6 +537,50 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
                 f"max_joint_actions_per_item. Use fewer turns or generations, "
                 "joint_mode='align', early termination, or raise max_joint_actions_per_item deliberately."
             )
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The fields set through a CoMLRL alias: the alias and the default.
+_RANGE_ALIASES = {
+    "learning_rate": ("agent_learning_rate", _DEFAULT_LEARNING_RATE),
+    "max_completion_length": ("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS),
+}
+# Numeric fields -> a check returning what the value must be (None when it is fine). The sampling and optimiser ones
+# are the per-agent checks of `agent_overrides` (a learning rate of 0 freezes the agents).
+_RANGE_CHECKS = {
+    **{
+        name: PER_AGENT_FIELDS[name]
+        for name in (
+            "learning_rate",
+            "warmup_steps",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_epsilon",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "max_completion_length",
+        )
+    },
+    "num_train_epochs": lambda v: None if _finite(v) and v > 0 else "a number > 0",
+    "max_grad_norm": lambda v: None if v is None or (_finite(v) and v >= 0) else "a number >= 0 (0: no clipping)",
+    "epsilon": lambda v: None if _finite(v) and v > 0 else "a number > 0 (the clip range of the ratio)",
+    "epsilon_high": lambda v: None if v is None or (_finite(v) and v > 0) else "None or a number > 0",
+    "gradient_accumulation_steps": lambda v: None if _integer(v) and v >= 1 else "an integer >= 1",
+    "num_iterations": lambda v: None if _integer(v) and v >= 1 else "an integer >= 1",
+    "per_device_train_batch_size": lambda v: None if _integer(v) and v >= 1 else "an integer >= 1",
+    "steps_per_generation": lambda v: None if v is None or (_integer(v) and v >= 1) else "None or an integer >= 1",
+}
 
 
 def post_init_with_one_generation(config, post_init) -> None:
