@@ -119,8 +119,8 @@ def test_the_suggested_algorithm_in_yaml_is_accepted(tmp_path):
         (MAGRPOConfig, "max_grad_norm", -1.0, "max_grad_norm must be a number >= 0"),
         (IACConfig, "learning_rate", -1e-3, "learning_rate (agent_learning_rate) must be a number >= 0"),
         (IACConfig, "critic_learning_rate", math.nan, "critic_learning_rate must be > 0"),
-        (MARLHFConfig, "reward_learning_rate", math.nan, "reward_learning_rate must be a finite number > 0"),
-        (MADPOConfig, "dpo_beta", math.nan, "dpo_beta must be a finite number > 0"),
+        (MARLHFConfig, "reward_learning_rate", math.nan, "reward_learning_rate must be > 0 (a finite number)"),
+        (MADPOConfig, "dpo_beta", math.nan, "dpo_beta must be a number > 0 (finite)"),
         (MADPOConfig, "temperature", -1.0, "temperature must be a number > 0"),
     ],
 )

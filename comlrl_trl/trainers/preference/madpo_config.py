@@ -50,7 +50,7 @@ class MADPOConfig(PreferenceConfig):
             or not isinstance(self.dpo_beta, (int, float))
             or not 0 < self.dpo_beta < math.inf
         ):
-            raise ValueError(f"dpo_beta must be a finite number > 0, got {self.dpo_beta!r}.")
+            raise ValueError(f"dpo_beta must be a number > 0 (finite), got {self.dpo_beta!r}.")
         if self.num_generations is not None and self.num_generations != self.preference_num_candidates:
             raise ValueError(
                 f"num_generations={self.num_generations} differs from preference_num_candidates="

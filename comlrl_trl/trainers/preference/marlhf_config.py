@@ -168,7 +168,7 @@ class MARLHFConfig(PreferenceConfig):
         for name in ("reward_learning_rate", "reward_num_train_epochs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+                raise ValueError(f"{name} must be > 0 (a finite number), got {value!r}.")
         for name in ("reward_train_batch_size", "reward_max_length"):
             value = getattr(self, name)
             if value is None and name == "reward_max_length":
