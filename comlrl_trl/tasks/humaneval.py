@@ -14,6 +14,10 @@ a name bound from it) is a test, run on its own: a plain `assert` is one test, a
 one test. Statements that depend on each other stay together: a statement reading a name that an earlier test
 assigned or changed (`out = candidate(3)` then `assert out == 9`; `res.append(candidate(x))` then `assert res ==
 ...`) joins that test, with everything between them, so no assert is ever separated from the call it checks.
+Any use of a value may change it (a call it is passed to, as an argument or as the object of a method, a helper
+the test defines, an operator of a class it defines, a generator it feeds), so every name a statement uses counts
+as changed, together with its aliases (names that may share its objects through an assignment, a loop, a call or
+a function reading them); only calls of the candidate, which get copies, unbound built-ins and modules are exempt.
 Where this cannot be read from the source (`globals()`, `exec`, `global`, star imports in `check`), the whole body
 of `check` is one test. The other statements of `check` (imports, assignments such as `rng = random.Random(42)`)
 and the module level of `test` (`METADATA = ...`, imports) become trusted setup, together with the prompt's
@@ -125,8 +129,9 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
     `setup` holds the module level of `test`, the prompt's context, the statements of `check` that neither use
     the candidate nor touch a name a test uses before them, and `candidate = <entry_point>`, in that order; `tests`
     the statements of `check` that use the candidate, each together with the statements that read what it
-    assigned (so `out = candidate(3)` and a later `assert out == 9` are one test), as contiguous runs in their
-    original order. Asserts over nothing but constants and built-ins are left out; no other assert is. Where the
+    assigned or may have changed (so `out = candidate(3)` and a later `assert out == 9` are one test, and so are
+    `push(box, candidate(3))` and `assert box == [9]`, also through an alias of `box`), as contiguous runs in
+    their original order. Asserts over nothing but constants and built-ins are left out; no other assert is. Where the
     data flow cannot be read from the source (`globals()`, `exec`, `global`, ...), the whole body of `check` is
     one test.
     """
@@ -148,7 +153,8 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     }
-    split = _split_body(check.body, _tainted_names(trusted, {parameter, entry_point}, modules), modules)
+    flow = _Flow({parameter, entry_point}, modules, [*trusted, *check.body])
+    split = _split_body(check.body, _tainted_names(trusted, {parameter, entry_point}, flow), flow)
     if split is None:  # the whole check is one test
         tests = ["\n".join(ast.unparse(statement) for statement in check.body)]
     else:
@@ -166,31 +172,30 @@ _DYNAMIC_NAMES = frozenset(
 )
 
 
-def _tainted_names(statements: list[ast.stmt], tainted: set[str], modules: set[str]) -> set[str]:
-    """`tainted` plus the names that `statements` (trusted module-level code) bind from code reading them."""
+def _tainted_names(statements: list[ast.stmt], tainted: set[str], flow: "_Flow") -> set[str]:
+    """`tainted` plus the names that `statements` (trusted module-level code) bind or change from code reading
+    them."""
     tainted = set(tainted)
     for statement in statements:
-        reads, writes, _ = _names(statement, modules)
+        reads, writes = flow.effects(statement)
         if reads & tainted:
             tainted |= writes
     return tainted
 
 
-def _split_body(
-    body: list[ast.stmt], tainted: set[str], modules: set[str]
-) -> tuple[list[int], list[list[int]]] | None:
+def _split_body(body: list[ast.stmt], tainted: set[str], flow: "_Flow") -> tuple[list[int], list[list[int]]] | None:
     """(indices of `body` for the setup, index groups that are one test each), or None when the whole body must
     be one test. Every assert that reads more than constants and built-ins ends up in a test."""
-    tainted = set(tainted)
-    names = [_names(statement, modules) for statement in body]
-    if any(dynamic for _, _, dynamic in names):
+    if any(_names(statement)[3] for statement in body):
         return None
-    bound = set().union(*(writes for _, writes, _ in names)) | tainted
+    tainted = set(tainted)
+    names = [flow.effects(statement) for statement in body]  # in order: aliases build up statement by statement
+    bound = set().union(*(writes for _, writes in names)) | tainted
     safe = {name for name in dir(builtins) if name not in bound}
     role: list[int | str] = []  # per statement: a group number, "setup", "pending" (joins the next test) or "drop"
     groups: list[dict] = []  # {"start": first index, "writes": names}
     touched: set[str] = set()  # names read or written by statements that stay in place (in or before tests)
-    for index, (statement, (reads, writes, _)) in enumerate(zip(body, names)):
+    for index, (statement, (reads, writes)) in enumerate(zip(body, names)):
         has_assert = _runs_an_assert(statement)
         if reads & tainted or (has_assert and reads - safe):
             tainted |= writes
@@ -220,30 +225,105 @@ def _split_body(
     return check_setup, tests
 
 
-def _names(statement: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], bool]:
-    """(names read, names possibly bound or changed, whether names are used dynamically) anywhere in `statement`.
+def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str], bool]:
+    """(names read, names bound, names whose objects are changed in place, whether names are used dynamically)
+    anywhere in `statement`, as the syntax shows them.
 
-    A name counts as changed when it is assigned, deleted, imported, defined, the base of an assigned attribute or
-    item (`out[0] = ...`), or the object of a method call (`out.append(...)`) unless it names an imported module."""
-    reads, writes = set(), set()
+    A name is bound when it is assigned, deleted, imported or defined; its object is changed in place when it is
+    the base of an assigned or deleted attribute or item (`out[0] = ...`) or of an augmented assignment (`out +=
+    [...]`). What else may change an object (a call it is given to, an operator its class defines) is `_Flow`'s
+    part."""
+    reads, binds, changed = set(), set(), set()
     dynamic = False
     for node in ast.walk(statement):
         if isinstance(node, ast.Name):
-            (reads if isinstance(node.ctx, ast.Load) else writes).add(node.id)
+            (reads if isinstance(node.ctx, ast.Load) else binds).add(node.id)
             dynamic = dynamic or node.id in _DYNAMIC_NAMES
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            writes.add(node.name)
+            binds.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 dynamic = dynamic or alias.name == "*"
-                writes.add(alias.asname or alias.name.split(".")[0])
+                binds.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             dynamic = True
         elif isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
-            writes |= _base_names(node)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            writes |= _base_names(node.func.value) - modules
-    return reads, writes, dynamic
+            changed |= _base_names(node)
+        elif isinstance(node, ast.AugAssign):
+            changed |= _base_names(node.target)
+    return reads, binds, changed, dynamic
+
+
+class _Flow:
+    """What the statements of a test can do to each other's values, read conservatively from the source.
+
+    Any use of a value may change it, not only a known list of mutating methods: a call may change every object it
+    is given (its arguments, the object of a method, the function itself with what its body reads) and store one
+    in another, and an operator, item or attribute access, iteration or comparison may run a method the test
+    defined (a class, a `defaultdict` factory, a generator). So every name a statement uses counts as changed by
+    it, together with its aliases: names that may hold the same objects because an assignment, `for`, `with` or
+    call put one into the other, or a function or class reads the other. The exceptions hold no state the test
+    can change: built-ins that are not re-bound, imported modules, and the candidate, whose calls get copies of
+    their arguments and return fresh values (the sandbox's promise), so `candidate(xs)` uses nothing of `xs`.
+    """
+
+    def __init__(self, proxies: set[str], modules: set[str], statements: list[ast.stmt]):
+        self.proxies = set(proxies)
+        bound = set().union(*(_names(statement)[1] for statement in statements)) | self.proxies
+        self.stateless = {name for name in dir(builtins) if name not in bound} | self.proxies | set(modules)
+        self.aliases: dict[str, set[str]] = {}
+
+    def effects(self, statement: ast.stmt) -> tuple[set[str], set[str]]:
+        """(names read, names possibly bound or changed) of `statement`, the aliases of every changed name
+        included; records the aliases the statement may create (call in statement order)."""
+        reads, binds, changed, _ = _names(statement)
+        for group in self._links(statement):
+            self._merge(group - self.stateless)
+        used = changed | (self._used(statement) - self.stateless)
+        return reads, binds | set().union(*(self.aliases.get(name, {name}) for name in used))
+
+    def _links(self, statement: ast.stmt) -> list[set[str]]:
+        """Groups of names that may hold the same objects after `statement` runs."""
+        groups = []
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Assign):
+                groups.append(set().union(*(_all_names(target) for target in node.targets)) | self._used(node.value))
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                groups.append(_all_names(node.target) | self._used(node.value))
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                groups.append(_all_names(node.target) | self._used(node.iter))
+            elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+                groups.append(_all_names(node.optional_vars) | self._used(node.context_expr))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                groups.append({node.name} | self._used(node))
+            elif isinstance(node, ast.Call) and not self._calls_candidate(node):
+                groups.append(self._used(node))
+        return groups
+
+    def _used(self, node: ast.AST) -> set[str]:
+        """The names read in `node`, except in calls of the candidate (which only get copies)."""
+        names, stack = set(), [node]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.Call) and self._calls_candidate(node):
+                continue
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                names.add(node.id)
+            stack.extend(ast.iter_child_nodes(node))
+        return names
+
+    def _calls_candidate(self, node: ast.Call) -> bool:
+        return isinstance(node.func, ast.Name) and node.func.id in self.proxies
+
+    def _merge(self, group: set[str]) -> None:
+        merged = set().union(*(self.aliases.get(name, {name}) for name in group))
+        for name in merged:
+            self.aliases[name] = merged
+
+
+def _all_names(node: ast.AST) -> set[str]:
+    """Every name in `node` (a target: `a`, `a, *b`, `a[i].x`)."""
+    return {child.id for child in ast.walk(node) if isinstance(child, ast.Name)}
 
 
 def _runs_an_assert(statement: ast.stmt) -> bool:
