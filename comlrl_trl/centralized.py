@@ -6,11 +6,13 @@ formatter and reward of a one-agent team. Used by [`CentralizedMAGRPOTrainer`].
 """
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .formatters import Formatter, build_formatters, format_prompt
+from .inputs import check_reward_arity
 from .joint_reward import JointReward
 
 
@@ -58,7 +60,9 @@ class CentralizedCollaboration:
 
     The reward is called like a team's: once per task item with one list per role (the role outputs of the K
     joint completions, position j of every list from completion j), and returns one reward per joint completion.
-    A completion the adapter cannot parse gives every role an empty output.
+    A completion the adapter cannot parse gives every role an empty output, with a warning at the first such
+    completion and again each time their count reaches a power of ten (`unparsed` counts them, `scored` every joint
+    completion the reward saw).
     """
 
     def __init__(
@@ -70,8 +74,11 @@ class CentralizedCollaboration:
         self.adapter = adapter
         self.num_roles = num_roles
         self.formatters = build_formatters(formatters, num_roles)
+        check_reward_arity(reward_func, num_roles, lists="role")
         self.role_reward = JointReward(reward_func)
         self.reward_func = reward_func
+        self.unparsed = 0
+        self.scored = 0
 
     def build_prompt(self, item: dict[str, Any]) -> str:
         role_prompts = [format_prompt(formatter, item, role) for role, formatter in enumerate(self.formatters)]
@@ -82,10 +89,15 @@ class CentralizedCollaboration:
 
     def split(self, completion: str, item: dict[str, Any]) -> list[str]:
         """One output per role."""
+        outputs = self._parse(completion, item)
+        return [""] * self.num_roles if outputs is None else outputs
+
+    def _parse(self, completion: str, item: dict[str, Any]) -> list[str] | None:
+        """One output per role, or None when the adapter finds no role section."""
         try:
             outputs = self.adapter.parse_completion(completion, item, self.num_roles)
         except CentralizedComparatorParseError:
-            return [""] * self.num_roles
+            return None
         if isinstance(outputs, (str, bytes)) or len(outputs) != self.num_roles:
             raise ValueError(
                 f"centralized_adapter.parse_completion must return {self.num_roles} outputs (one per "
@@ -97,9 +109,24 @@ class CentralizedCollaboration:
 
     def __call__(self, completions: list[str], *, batch_items: list[dict[str, Any]]) -> list[float]:
         item = batch_items[0]
-        outputs = [self.split(completion, item) for completion in completions]
+        parsed = [self._parse(completion, item) for completion in completions]
+        self._count_unparsed(sum(output is None for output in parsed), len(parsed))
+        outputs = [[""] * self.num_roles if output is None else output for output in parsed]
         roles = [[output[role] for output in outputs] for role in range(self.num_roles)]
         return self.role_reward(roles, item, "the role outputs of a task item")
+
+    def _count_unparsed(self, unparsed: int, scored: int) -> None:
+        """Warn at the first unparsed joint completion and whenever their count passes a power of ten."""
+        before, self.unparsed, self.scored = self.unparsed, self.unparsed + unparsed, self.scored + scored
+        if unparsed and (before == 0 or len(str(self.unparsed)) > len(str(before))):
+            warnings.warn(
+                f"{self.unparsed} of {self.scored} joint completions so far held no role section "
+                f"({type(self.adapter).__name__} found none), so every role got '' for them and the reward scored "
+                "empty outputs. An untrained policy often ignores the format; if this persists, check the joint "
+                "prompt (centralized_adapter.build_prompt), max_new_tokens (sections cut off) and the adapter's "
+                "parse_completion.",
+                stacklevel=2,
+            )
 
     def split_turns(self, joint_turns: list, items: list[dict[str, Any]]) -> list:
         """`[1][item][turn]` joint completions -> `[role][item][turn]` role outputs (for `eval_logger`)."""

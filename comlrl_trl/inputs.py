@@ -2,23 +2,36 @@
 the agents' model sources, tokenizers and per-agent options, the trainer's callables, and the datasets."""
 
 import copy
-from collections.abc import Sequence, Sized
+import inspect
+import warnings
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 from datasets import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel
 
 from .formatters import check_prompt
+from .joint_reward import accepts_keyword
 from .loading import load_saved_adapter
 
 
-def check_datasets(train_dataset: Any, eval_dataset: Any, default_formatters: bool) -> None:
-    """An empty training or evaluation set is an error, not a run of 0 steps or a division by zero.
+def check_datasets(train_dataset: Any, eval_dataset: Any, default_formatters: bool, eval_interval: int = 0) -> None:
+    """An empty training or evaluation set is an error, not a run of 0 steps or a division by zero; training with
+    periodic evaluation (`eval_interval` > 0) but no evaluation set is a warning, since nothing will be evaluated.
 
     With the default formatters (the `prompt` field is the prompt), every item's prompt is checked here too.
     """
     check_not_empty(train_dataset, "train_dataset")
     check_not_empty(eval_dataset, "eval_dataset", " Pass eval_dataset=None to train without evaluation.")
+    if train_dataset is not None and eval_dataset is None and eval_interval > 0:
+        warnings.warn(
+            f"No eval_dataset: no evaluation will run during training (eval_interval={eval_interval} has nothing "
+            "to evaluate) and evaluate() returns {}. Pass eval_dataset=... to evaluate; the recipes take it from "
+            "the --dataset_test_split of --dataset_name, which a single JSON Lines file does not have (it is all "
+            "'train': split it, or name a directory with train and test files). Set eval_interval=0 to train "
+            "without evaluation and without this warning.",
+            stacklevel=3,
+        )
     if default_formatters:
         for name, dataset in (("task item", train_dataset), ("evaluation item", eval_dataset)):
             prompts = _prompt_column(dataset)
@@ -115,6 +128,7 @@ def check_trainer_inputs(args, reward_func, external_transition, train_dataset) 
     """The team trainer's callables and batch shape, checked before any model is loaded."""
     if reward_func is None:
         raise ValueError("reward_func is required: a callable returning one reward per joint action.")
+    check_reward_arity(reward_func, args.num_agents)
     if args.num_turns > 1 and external_transition is None:
         raise ValueError(
             f"num_turns={args.num_turns} needs an external_transition that builds the next turn's prompts."
@@ -133,3 +147,28 @@ def check_trainer_inputs(args, reward_func, external_transition, train_dataset) 
         raise ValueError("log_completions is not supported by multi-agent trainers yet; leave it False.")
     if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
         raise ValueError("An IterableDataset has no length: set max_steps in the config to bound training.")
+
+
+def check_reward_arity(reward_func: Callable, num_agents: int, lists: str = "agent") -> None:
+    """A TypeError when `reward_func` certainly cannot be called the documented way, with one list of completions
+    per agent (`num_agents` of them, positional) and `batch_items=` if it names that keyword.
+
+    Checked before any model loads, by binding those arguments to the signature: defaults, `*args` and `**kwargs`
+    are taken as Python takes them. A callable without a signature (some builtins) is not checked.
+    """
+    try:
+        signature = inspect.signature(reward_func)
+    except (TypeError, ValueError):
+        return
+    keywords = {"batch_items": [{}]} if accepts_keyword(reward_func, "batch_items") else {}
+    try:
+        signature.bind(*[[] for _ in range(num_agents)], **keywords)
+    except TypeError as error:
+        name = getattr(reward_func, "__name__", type(reward_func).__name__)
+        expected = ", ".join(f"{lists}_{i}_completions" for i in range(num_agents))
+        raise TypeError(
+            f"reward_func {name}{signature} cannot take num_agents={num_agents} lists of completions ({error}). It "
+            f"is called once per task item as reward_func({expected}, *, batch_items) (batch_items only if it "
+            f"takes that keyword): give it {num_agents} positional parameters (or *completions), or set "
+            f"num_agents to the number of lists it takes."
+        ) from None

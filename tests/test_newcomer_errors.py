@@ -3,21 +3,29 @@
 
 import math
 import re
+import warnings
 
 import pytest
+from datasets import Dataset
+from helpers import length_ratio_reward
 from test_recipes import _recipe
 
-from comlrl_trl.trainers.actor_critic import IACConfig, MAACConfig
-from comlrl_trl.trainers.preference import MADPOConfig, MARLHFConfig, MARLHFIterConfig
+from comlrl_trl.centralized import CentralizedCollaboration, TaggedCentralizedComparatorAdapter
+from comlrl_trl.inputs import check_reward_arity
+from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig
+from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterConfig
 from comlrl_trl.trainers.reinforce import (
     CentralizedMAGRPOConfig,
+    CentralizedMAGRPOTrainer,
     MAGRPOConfig,
+    MAGRPOTrainer,
     MAREINFORCEConfig,
     MAReMaxConfig,
     MARLOOConfig,
 )
 
 
+ITEMS = Dataset.from_dict({"prompt": [f"Item {i}: say something" for i in range(4)]})
 CONFIGS = [
     MAGRPOConfig,
     MAREINFORCEConfig,
@@ -138,3 +146,136 @@ def test_a_range_error_names_the_default(tmp_path):
         "learning_rate (agent_learning_rate) must be a number >= 0, got -1e-05; set it in range, or leave it unset "
         "for the default (5e-06)."
     )
+
+
+# ----- reward arity, before any model loads -----
+
+
+def _no_loading(*args):
+    raise AssertionError("the reward's arity is checked before tokenizers and models are loaded")
+
+
+def _three_lists(a, b, c, *, batch_items):
+    return [0.0] * len(a)
+
+
+def test_a_reward_for_three_agents_is_refused_for_two_before_loading(qwen_path, tmp_path, monkeypatch):
+    monkeypatch.setattr("comlrl_trl.trainers.team.trainer.resolve_tokenizers", _no_loading)
+    with pytest.raises(TypeError) as error:
+        MAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=_three_lists,
+            train_dataset=ITEMS,
+            args=MAGRPOConfig(output_dir=str(tmp_path), num_agents=2),
+        )
+    assert str(error.value) == (
+        "reward_func _three_lists(a, b, c, *, batch_items) cannot take num_agents=2 lists of completions (missing a "
+        "required argument: 'c'). It is called once per task item as reward_func(agent_0_completions, "
+        "agent_1_completions, *, batch_items) (batch_items only if it takes that keyword): give it 2 positional "
+        "parameters (or *completions), or set num_agents to the number of lists it takes."
+    )
+
+
+@pytest.mark.parametrize(
+    "trainer_cls, config_cls",
+    [(MAGRPOTrainer, MAGRPOConfig), (IACTrainer, IACConfig), (MADPOTrainer, MADPOConfig)],
+    ids=["magrpo", "iac", "madpo"],
+)
+def test_every_family_checks_the_reward_arity(trainer_cls, config_cls, qwen_path, tmp_path):
+    with pytest.raises(TypeError, match=r"reward_func <lambda>\(first\) cannot take num_agents=2 lists"):
+        trainer_cls(
+            agent_model=qwen_path,
+            reward_func=lambda first: [0.0] * len(first),
+            train_dataset=ITEMS,
+            args=config_cls(
+                output_dir=str(tmp_path), **({"use_separate_critic": False} if config_cls is IACConfig else {})
+            ),
+        )
+
+
+def test_a_centralised_reward_is_checked_against_the_roles(qwen_path, tmp_path):
+    with pytest.raises(TypeError, match=r"cannot take num_agents=2 lists .*reward_func\(role_0_completions, "):
+        CentralizedMAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=_three_lists,
+            train_dataset=ITEMS,
+            args=CentralizedMAGRPOConfig(output_dir=str(tmp_path), num_agents=2),
+        )
+
+
+def _star(*completions, batch_items=None):
+    return [0.0] * len(completions[0])
+
+
+def _optional_third(a, b, c=None):
+    return [0.0] * len(a)
+
+
+def _with_kwargs(a, b, **kwargs):
+    return [0.0] * len(a)
+
+
+class _CallableReward:
+    def __call__(self, first, second, *, batch_items):
+        return [0.0] * len(first)
+
+
+@pytest.mark.parametrize(
+    "reward_func", [_star, _optional_third, _with_kwargs, _CallableReward(), length_ratio_reward, max]
+)
+def test_every_documented_reward_signature_is_accepted(reward_func):
+    # *completions, a defaulted extra list, **kwargs, a callable object, the docs' reward, a builtin without a
+    # signature: none is refused
+    check_reward_arity(reward_func, 2)
+
+
+# ----- own data: no evaluation set -----
+
+
+def test_training_without_an_eval_dataset_says_that_nothing_is_evaluated(qwen_path, make_config):
+    with pytest.warns(UserWarning, match=r"No eval_dataset: no evaluation will run during training") as caught:
+        MAGRPOTrainer(
+            agent_model=qwen_path,
+            reward_func=length_ratio_reward,
+            train_dataset=ITEMS,
+            args=make_config(eval_interval=16),
+        )
+    message = next(str(w.message) for w in caught if "No eval_dataset" in str(w.message))
+    assert "eval_interval=16" in message and "--dataset_test_split" in message and "eval_interval=0" in message
+
+
+@pytest.mark.parametrize("settings", [{"eval_dataset": ITEMS, "eval_interval": 16}, {"eval_interval": 0}])
+def test_no_warning_with_an_eval_dataset_or_without_periodic_evaluation(settings, qwen_path, make_config, recwarn):
+    eval_dataset = settings.pop("eval_dataset", None)
+    MAGRPOTrainer(
+        agent_model=qwen_path,
+        reward_func=length_ratio_reward,
+        train_dataset=ITEMS,
+        eval_dataset=eval_dataset,
+        args=make_config(**settings),
+    )
+    assert not [w for w in recwarn if "No eval_dataset" in str(w.message)]
+
+
+# ----- centralised team: completions without role sections -----
+
+
+def test_joint_completions_without_role_sections_are_warned_about_with_their_count():
+    collaboration = CentralizedCollaboration(
+        TaggedCentralizedComparatorAdapter(), None, lambda first, second: [0.0] * len(first), 2
+    )
+    item = {"prompt": "say something"}
+    tagged = "<agent_0>a</agent_0><agent_1>b</agent_1>"
+    with pytest.warns(UserWarning) as first:
+        collaboration(["no tags", tagged, "none here"], batch_items=[item])
+    assert [str(w.message)[:80] for w in first] == [
+        "2 of 3 joint completions so far held no role section (TaggedCentralizedComparato"
+    ]
+    assert "every role got ''" in str(first[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 3 to 9 unparsed: no new warning
+        for _ in range(7):
+            collaboration(["untagged"], batch_items=[item])
+    with pytest.warns(UserWarning, match=r"^10 of 12 joint completions so far held no role section"):
+        collaboration(["untagged", tagged], batch_items=[item])
+    assert (collaboration.unparsed, collaboration.scored) == (10, 12)
