@@ -4,7 +4,8 @@
 version, the configuration class and, under `"generation"`, every setting that changes what the agents generate
 and how a path is scored (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
 `generation_kwargs`, `max_prompt_length`, `num_turns`, `discount`, ..., and the sampling keys of each agent's
-`agent_overrides`). The recipes add a `"recipe"` section (task, chat formatting, data and reward options).
+`agent_overrides`). The recipes add a `"recipe"` section (task, chat formatting, data and reward options, and
+`reward`: the reward function the run used, the user's `--reward_func` when it replaced the task's).
 `recipes/evaluate.py --model_dir dir` defaults to these values. A reward scored with other sampling settings (the
 evaluate script's own defaults are 256 new tokens at T=0.8) is not comparable with the run's evaluations.
 
@@ -66,8 +67,20 @@ def team_settings(config, recipe: dict[str, Any] | None = None) -> dict[str, Any
         "generation": generation,
     }
     if recipe is not None:
-        settings["recipe"] = dict(recipe)
+        settings["recipe"] = recipe_section(recipe)
     return settings
+
+
+def recipe_section(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's options, plus `reward`: the reward function the run really used. With a `reward_func` (the
+    user's `module:function`) the task's reward, formatters and transition were replaced, which `task_replaced`
+    says; `task` is then only the task module the options were read with. Without one, the task's own reward."""
+    section = dict(recipe)
+    if "task" in section and "reward_func" in section:
+        replaced = section["reward_func"] is not None
+        section["reward"] = section["reward_func"] if replaced else f"comlrl_trl.tasks.{section['task']}:reward"
+        section["task_replaced"] = replaced
+    return section
 
 
 def write_team_settings(output_dir: str, config, recipe: dict[str, Any] | None = None) -> str:

@@ -12,7 +12,10 @@ of the joint program and of the main agent alone, per turn.
 
 Generation follows the `MAGRPOConfig` options (`--temperature`, `--top_p`, `--max_new_tokens`, `--num_turns`,
 `--eval_batch_size`, `--seed`, ...); `--help` lists them all. Metrics go to `--output` (default
-`output_dir/eval_metrics.json`).
+`output_dir/eval_metrics.json`; `output_dir` defaults to `evaluate/` inside the evaluated `--model_dir`, else
+`outputs/evaluate`), and every sampled path with its reward to `*.samples.jsonl` beside them. A single data file
+has one split, `train`: `--dataset_test_split train` evaluates on it (with a warning when that is the training
+split).
 
 A directory written by `save_model` holds `team_settings.json`: the run's sampling settings (`max_new_tokens`,
 `temperature`, `top_p`, `top_k`, `num_turns`, per-agent overrides, ...) and, from the recipes, its task, chat
@@ -29,6 +32,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -77,8 +81,8 @@ class EvaluateArguments(DataArguments):
     save_samples: bool = field(
         default=True,
         metadata={
-            "help": "Also write every sampled path (item, prompts' task id, completions per agent "
-            "and turn) as JSON lines next to the metrics (*.samples.jsonl)."
+            "help": "Also write every sampled path (item index and text fields, completions per agent "
+            "and turn, reward per turn) as JSON lines next to the metrics (*.samples.jsonl)."
         },
     )
 
@@ -200,6 +204,8 @@ class EvaluateParser(CompatTrlParser):
                 if directory is not None
                 else "no saved run: evaluate's defaults apply"
             )
+        if directory is not None and "output_dir" not in given:  # the report goes beside the evaluated run
+            self.set_defaults(output_dir=os.path.join(directory, "evaluate"))
         for names in SETTING_NAMES.values():  # one name given: the other's default must not contradict it
             if given.intersection(names):
                 self.set_defaults(**dict.fromkeys(names))
@@ -274,7 +280,16 @@ def evaluation_items(args: EvaluateArguments, config: MAGRPOConfig):
         items = task.eval_dataset
         if items is None:
             raise ValueError(
-                f"--dataset_test_split {args.dataset_test_split!r} is not a split of {args.dataset_name!r}."
+                f"--dataset_test_split {args.dataset_test_split!r} is not a split of {args.dataset_name!r}; its "
+                f"splits are {task.split_names}. A single data file is one split, 'train': pass "
+                "--dataset_test_split train to evaluate on it (the training data, if the run trained on it), or "
+                "evaluate held-out data (a directory of train and test files, or another file)."
+            )
+        if args.dataset_test_split == args.dataset_train_split:
+            warnings.warn(
+                f"--dataset_test_split {args.dataset_test_split!r} is the training split (--dataset_train_split): "
+                "the scores are on the data the run trained on, not on held-out data.",
+                stacklevel=2,
             )
     else:
         items = task.eval_dataset if args.split == "eval" else task.train_dataset
@@ -308,10 +323,14 @@ class SampleRecorder:
     def aggregator(self, rows, *, num_turns):
         return self.eval_aggregator(rows, num_turns=num_turns) if self.eval_aggregator is not None else {}
 
-    def write(self, path: str) -> None:
+    def write(self, path: str, rewards: list[list[float]], num_samples: int) -> None:
+        """One JSON line per sampled path: the item's `index` and `sample` (0 to K-1), its text fields, the
+        completions (`[agent][turn]`), the task's metrics and the joint `reward` of each turn (`rewards`, from the
+        trainer's `last_eval_rewards`)."""
         with open(path, "w") as f:
-            for sample in self.samples:
-                f.write(json.dumps(sample) + "\n")
+            for i, (sample, turns) in enumerate(zip(self.samples, rewards, strict=True)):
+                row = {"index": i // num_samples, "sample": i % num_samples, **sample, "rewards": turns}
+                f.write(json.dumps(row) + "\n")
 
 
 def main(
@@ -364,7 +383,7 @@ def main(
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         if args.save_samples:
-            recorder.write(os.path.splitext(path)[0] + ".samples.jsonl")
+            recorder.write(os.path.splitext(path)[0] + ".samples.jsonl", trainer.last_eval_rewards, args.num_samples)
         print(json.dumps(metrics, indent=2))
         print(f"{report['items']} items x {args.num_samples} samples in {seconds:.0f} s; metrics: {path}")
     return report

@@ -61,7 +61,10 @@ class DataArguments:
 
 def load_user_splits(args: DataArguments) -> tuple[Dataset, Dataset | None]:
     """`(train, test)` splits of `--dataset_name`; `test` is None when the data has no `--dataset_test_split`."""
-    splits = _load(args.dataset_name, args.dataset_config)
+    return _pick_splits(_load(args.dataset_name, args.dataset_config), args)
+
+
+def _pick_splits(splits: DatasetDict, args: DataArguments) -> tuple[Dataset, Dataset | None]:
     if args.dataset_train_split not in splits:
         raise ValueError(
             f"--dataset_train_split {args.dataset_train_split!r} is not a split of "
@@ -71,6 +74,7 @@ def load_user_splits(args: DataArguments) -> tuple[Dataset, Dataset | None]:
 
 
 def _load(name: str, config: str | None) -> DatasetDict:
+    _check_local_path(name)
     if os.path.isdir(name) and (
         os.path.isfile(os.path.join(name, "dataset_dict.json")) or os.path.isfile(os.path.join(name, "state.json"))
     ):
@@ -95,6 +99,20 @@ def _load(name: str, config: str | None) -> DatasetDict:
                     "line."
                 ) from error
         raise
+
+
+def _check_local_path(name: str) -> None:
+    """A ValueError for a `--dataset_name` that can only be a local path (a data file's extension, a leading `.`,
+    `/` or `~`, or more than one `/`) and does not exist, instead of the Hub's "couldn't reach" error."""
+    local = (
+        os.path.splitext(name)[1].lower() in FILE_BUILDERS or name.startswith((".", "/", "~")) or name.count("/") > 1
+    )
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise ValueError(
+            f"--dataset_name {name!r}: no such file or directory ({os.path.abspath(os.path.expanduser(name))}). Pass "
+            f"an existing data file ({', '.join(sorted(FILE_BUILDERS))}), a save_to_disk directory, a directory of "
+            "data files, or a Hub dataset id (name or org/name)."
+        )
 
 
 def _json_files(directory: str) -> list[str]:
@@ -163,7 +181,8 @@ def column_formatter(column: str):
 
 def load_task(task_name: str, data: DataArguments, num_agents: int, max_train_items: int | None = None):
     """The pieces a trainer needs, as attributes: `formatters`, `reward`, `transition` (or None),
-    `eval_logger`/`eval_aggregator` (or None), `train_dataset`, `eval_dataset` (or None).
+    `eval_logger`/`eval_aggregator` (or None), `train_dataset`, `eval_dataset` (or None), and `split_names` (the
+    splits of `--dataset_name`; None for a task's built-in data).
 
     From `comlrl_trl.tasks.<task_name>`, with `--dataset_name` replacing its data and `--reward_func` replacing
     its reward, formatters and transition (see the module docstring).
@@ -175,13 +194,17 @@ def load_task(task_name: str, data: DataArguments, num_agents: int, max_train_it
         if data.reward_func is not None:
             raise ValueError("--reward_func needs --dataset_name (your data): the built-in tasks bring their reward.")
         train, evaluation = task.build_dataset("train"), task.build_dataset("eval")
+        split_names = None
     else:
-        train, evaluation = load_user_splits(data)
+        splits = _load(data.dataset_name, data.dataset_config)
+        train, evaluation = _pick_splits(splits, data)
+        split_names = sorted(splits)
     if max_train_items is not None:
         train = train.select(range(min(max_train_items, len(train))))
     pieces = SimpleNamespace(
         train_dataset=train,
         eval_dataset=evaluation,
+        split_names=split_names,
         formatters=task.formatters(),
         reward=task.reward,
         transition=getattr(task, "transition", None),

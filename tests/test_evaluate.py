@@ -229,3 +229,36 @@ def test_evaluate_reports_the_settings_and_falls_back_without_a_settings_file(sa
     assert settings["values"]["max_new_tokens"] == {"value": 256, "source": "evaluate default"}
     assert settings["values"]["temperature"] == {"value": 0.8, "source": "evaluate default"}
     assert report["max_new_tokens"] == 256 and "has no team_settings.json" in capsys.readouterr().out
+
+
+def test_evaluate_own_data_beside_the_run_with_each_samples_reward(saved_team, tmp_path, monkeypatch):
+    """A single JSON Lines file: the error lists its one split, `--dataset_test_split train` evaluates on it with a
+    warning, and the report and every sample's reward go beside the evaluated run."""
+    (tmp_path / "own_rewards.py").write_text(
+        "def score(first, second):\n    return [float(len(a) + 10 * len(b)) for a, b in zip(first, second)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Say {i}"}) + "\n" for i in range(2)))
+    options = ["--model_dir", str(saved_team), "--dataset_name", str(data), "--prompt_column", "text"]
+    options += ["--reward_func", "own_rewards:score", "--chat", "false", "--max_new_tokens", "3"]
+    with pytest.raises(ValueError) as error:
+        _evaluate(options)
+    assert "--dataset_test_split 'test' is not a split of" in str(error.value)
+    assert "its splits are ['train']" in str(error.value) and "--dataset_test_split train" in str(error.value)
+    with pytest.warns(UserWarning, match="the scores are on the data the run trained on"):
+        report = _evaluate([*options, "--dataset_test_split", "train", "--num_samples", "2"])
+    assert (saved_team / "evaluate" / "eval_metrics.json").is_file()  # not ./outputs/evaluate
+    lines = (saved_team / "evaluate" / "eval_metrics.samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert [(s["index"], s["sample"], s["item"]["text"]) for s in samples] == [
+        (0, 0, "Say 0"),
+        (0, 1, "Say 0"),
+        (1, 0, "Say 1"),
+        (1, 1, "Say 1"),
+    ]
+    for sample in samples:
+        (first,), (second,) = sample["completions"]  # [agent][turn]
+        assert sample["rewards"] == [float(len(first) + 10 * len(second))]
+    mean = sum(sample["rewards"][0] for sample in samples) / 4
+    assert report["metrics"]["eval/turn_1/reward_mean"] == pytest.approx(mean)

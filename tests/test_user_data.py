@@ -154,6 +154,8 @@ def test_magrpo_recipe_trains_on_a_jsonl_file_with_a_reward_module(tmp_path, rew
     assert calls[:2] == [["Question 0: name a colour."], ["Question 1: name a colour."]]
     assert summary["final_eval"] == {}  # a single file has no test split
     assert (tmp_path / "out" / "models" / "agent_1" / "adapter_config.json").is_file()
+    recipe_settings = json.loads((tmp_path / "out" / "models" / "team_settings.json").read_text())["recipe"]
+    assert (recipe_settings["reward"], recipe_settings["task_replaced"]) == ("my_rewards:score", True)
 
 
 def test_actor_critic_recipe_trains_on_a_csv_file(tmp_path, reward_module, qwen_path):
@@ -212,3 +214,22 @@ def test_a_malformed_line_in_a_directory_of_data_files_is_named(tmp_path):
     (tmp_path / "files" / "test.jsonl").write_text(json.dumps(ROWS[2]) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"line 2 of .*test\.jsonl is not a JSON object"):
         user_data.load_user_splits(user_data.DataArguments(dataset_name=str(tmp_path / "files")))
+
+
+@pytest.mark.parametrize("name", ["./my_data.jsonl", "data/train.csv", "/no/such/dir", "data/sub/dir"])
+def test_a_local_dataset_path_that_does_not_exist_is_named(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        user_data.load_user_splits(user_data.DataArguments(dataset_name=name))
+    message = str(error.value)
+    assert message.startswith(f"--dataset_name {name!r}: no such file or directory ({tmp_path / name}")
+    assert "a Hub dataset id" in message
+
+
+def test_recipe_settings_record_the_reward_that_replaced_the_task():
+    from comlrl_trl.team_settings import recipe_section
+
+    own = recipe_section({"task": "length_ratio", "reward_func": "/abs/my_rewards.py:score", "chat": True})
+    assert (own["reward"], own["task_replaced"]) == ("/abs/my_rewards.py:score", True)
+    builtin = recipe_section({"task": "length_ratio", "reward_func": None, "chat": True})
+    assert (builtin["reward"], builtin["task_replaced"]) == ("comlrl_trl.tasks.length_ratio:reward", False)

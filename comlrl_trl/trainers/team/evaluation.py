@@ -26,6 +26,9 @@ class TeamEvaluation:
         turn k) for every turn k, plus the custom metrics (`eval_logger`/`eval_aggregator` or `metrics_callback`),
         or `{}` without an eval_dataset. An evaluation set that yields no item is a ValueError. Model weights are
         not updated.
+
+        Each item's rewards are kept in `last_eval_rewards` (`[item][turn]`, this process's items, in the order the
+        `eval_logger` sees them), for a per-sample record such as `recipes/evaluate.py`'s.
         """
         if self.eval_dataset is None:
             return {}
@@ -65,6 +68,7 @@ class TeamEvaluation:
                 agent.model.train(was_training)
                 agent.metrics("eval").clear()
         completions, prompts = [c[:kept] for c in completions], [p[:kept] for p in prompts]
+        self.last_eval_rewards = [list(turns) for turns in rewards[:kept]]
         metrics = {}
         all_rewards = self._gather_lists(rewards[:kept])
         all_returns = self._gather_lists(returns[:kept])
