@@ -184,7 +184,10 @@ def test_reward_parts():
     own_aux = "def aux(ch):\n    return False\ndef count_vowels(s):\n    return sum(1 for ch in s if aux(ch))"
     wrong = "def count_vowels(s):\n    return 2"
     rewards = task.reward(
-        [helper, "garbage", helper, helper, helper], [main, "garbage", no_call, own_aux, wrong], batch_items=[item]
+        [helper, "garbage", helper, helper, helper],
+        [main, "garbage", no_call, own_aux, wrong],
+        batch_items=[item],
+        hidden_tests=False,  # all four tests scored
     )
     assert rewards[0] >= 1.0
     assert rewards[1] == 0.0
@@ -204,6 +207,7 @@ def test_transition_reports_failures_and_the_other_agents_code():
         prompt_history_per_agent=[[item["prompt"]], [item["prompt"]]],
         response_history_per_agent=[[helper], [wrong]],
         batch_item=item,
+        hidden_tests=False,  # all four tests reported
     )
     assert isinstance(prompts, list) and len(prompts) == 2 and all(isinstance(p, str) for p in prompts)
     helper_prompt, main_prompt = prompts
@@ -426,11 +430,11 @@ def test_feedback_with_hostile_messages_encodes_and_forges_nothing(raised, qwen_
         prompt.encode("utf-8")  # no lone surrogate
         tokenizer(prompt)
         lines = prompt.splitlines()
-        assert lines[0] == "Attempt 1: the joint program passed 0 of 4 tests."
+        assert lines[0] == "Attempt 1: the joint program passed 0 of 2 tests."  # the shown tests
         assert sum(line.startswith("Attempt") for line in lines) == 1  # no forged head line
         quote = lines.index("~~~text")
         end = lines.index("~~~", quote + 1)
-        assert end - quote - 1 == 3 and all(
+        assert end - quote - 1 == 2 and all(
             line.startswith("- assert count_vowels(") for line in lines[quote + 1 : end]
         )
         assert all(len(line) <= 202 for line in lines[quote + 1 : end])
@@ -454,3 +458,83 @@ def test_revision_prompt_with_surrogates_in_the_code_encodes():
     for prompt in _revision(main, helper="def aux(ch):\n    return ch in 'aeiou'  # \udfff"):
         prompt.encode("utf-8")
         assert "\\udfff" in prompt or "(no function found)" in prompt
+
+
+# ----- hidden tests: turn 2 is scored on tests whose expected values the feedback did not show (issue 55) -----
+
+VOWEL_TESTS = [
+    'assert count_vowels("hello") == 2',
+    'assert count_vowels("AEIOU xyz") == 5',
+    'assert count_vowels("rhythm") == 0',
+    'assert count_vowels("") == 0',
+]
+FIRST_TRY = "def count_vowels(s):\n    return -1"  # fails every test
+# A revision that hard-codes the expected values the feedback on FIRST_TRY quoted, and one for the hidden values.
+HARD_CODES_SHOWN = 'def count_vowels(s):\n    return {"hello": 2, "rhythm": 0}.get(s, -1)'
+HARD_CODES_HIDDEN = 'def count_vowels(s):\n    return {"AEIOU xyz": 5, "": 0}.get(s, -1)'
+
+
+def test_tests_split_into_shown_and_hidden_by_position():
+    assert task.shown_and_hidden(["a", "b", "c", "d"]) == (["a", "c"], ["b", "d"])
+    assert task.shown_and_hidden(["a", "b", "c"]) == (["a", "c"], ["b"])
+    assert task.shown_and_hidden(["a", "b"]) == (["a"], ["b"])
+    assert task.shown_and_hidden(["a"]) == ([], ["a"])  # a single test is hidden: nothing to show
+    assert task.shown_and_hidden([]) == ([], [])
+
+
+def test_turn_2_is_scored_on_the_tests_the_feedback_did_not_show(monkeypatch):
+    item = _item("count_vowels")
+    assert item["tests"] == VOWEL_TESTS
+    feedback = _revision(FIRST_TRY)[1]
+    assert feedback.startswith("Attempt 1: the joint program passed 0 of 2 tests.")
+    assert 'assert count_vowels("hello") == 2  # got -1' in feedback
+    assert 'assert count_vowels("rhythm") == 0  # got -1' in feedback
+    assert "AEIOU" not in feedback and 'count_vowels("")' not in feedback
+    scored = []
+    run_tests = task.run_tests
+    monkeypatch.setattr(
+        task,
+        "run_tests",
+        lambda helper, main, tests, *rest: scored.append(list(tests)) or run_tests(helper, main, tests, *rest),
+    )
+    helper = SOLUTIONS["count_vowels"][0]
+    rewards = task.reward([helper, helper], [HARD_CODES_SHOWN, HARD_CODES_HIDDEN], batch_items=[item])
+    assert scored == [[VOWEL_TESTS[1], VOWEL_TESTS[3]]] * 2  # only the tests the feedback did not quote
+    assert rewards == [pytest.approx(0.0 + 0.1), pytest.approx(1.0 + 0.1)]  # hard-coding what was shown earns 0
+
+
+def test_hidden_tests_off_scores_and_reports_every_test():
+    item = _item("count_vowels")
+    helper = SOLUTIONS["count_vowels"][0]
+    feedback = task.transition(
+        prompt=item["prompt"],
+        agent_completions=[helper, FIRST_TRY],
+        num_agents=2,
+        prompt_history_per_agent=[[], []],
+        response_history_per_agent=[["a"], ["b"]],
+        batch_item=item,
+        hidden_tests=False,
+    )[1]
+    assert feedback.startswith("Attempt 1: the joint program passed 0 of 4 tests.")
+    assert 'assert count_vowels("AEIOU xyz") == 5  # got -1' in feedback  # a value the reward checks is shown
+    rewards = task.reward([helper], [HARD_CODES_SHOWN], batch_items=[item], hidden_tests=False)
+    assert rewards == [pytest.approx(0.5 + 0.1)]  # the hard-coded shown values earn half the tests
+    with pytest.raises(ValueError, match="hidden_tests must be True .* or False"):
+        task.reward([helper], [FIRST_TRY], batch_items=[item], hidden_tests="yes")
+
+
+def test_a_single_hidden_test_is_reported_as_a_count_without_its_values():
+    item = {**_item("count_vowels"), "tests": [VOWEL_TESTS[0]]}
+    helper = SOLUTIONS["count_vowels"][0]
+    for prompt in task.transition(
+        prompt=item["prompt"],
+        agent_completions=[helper, FIRST_TRY],
+        num_agents=2,
+        prompt_history_per_agent=[[], []],
+        response_history_per_agent=[["a"], ["b"]],
+        batch_item=item,
+    ):
+        assert prompt.startswith("Attempt 1: the joint program passed 0 of 1 tests.\n")
+        assert "~~~text" not in prompt and "hello" not in prompt and "== 2" not in prompt
+    assert task.reward([helper], [FIRST_TRY], batch_items=[item]) == [pytest.approx(0.1)]
+    assert task.reward([helper], ["def count_vowels(s):\n    return 2"], batch_items=[item]) == [pytest.approx(1.1)]

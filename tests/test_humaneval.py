@@ -139,6 +139,7 @@ def test_transition_reports_the_failing_tests():
         prompt_history_per_agent=[[], []],
         response_history_per_agent=[["a"], ["b"]],
         batch_item=problem,
+        hidden_tests=False,  # all seven tests reported
     )
     assert prompts[0].startswith("Attempt 1: the joint program passed 3 of 7 tests.")
     assert "# got False" in prompts[1] and "Revise `has_close_elements`" in prompts[1]
@@ -334,3 +335,45 @@ def test_wrong_code_cannot_reach_full_marks_through_a_split_check():
     assert task.reward([helper], [wrong], batch_items=[item]) == [pytest.approx(0.2)]
     honest = "def square(x):\n    return aux(x * x)"
     assert task.reward([helper], [honest], batch_items=[item]) == [pytest.approx(1.2)]
+
+
+# ----- hidden tests (issue 55) -----
+
+
+def _feedback(item, main, **options):
+    return task.transition(
+        prompt=item["prompt"],
+        agent_completions=[TRIVIAL_HELPER, main],
+        num_agents=2,
+        prompt_history_per_agent=[[], []],
+        response_history_per_agent=[["a"], ["b"]],
+        batch_item=item,
+        **options,
+    )[1]
+
+
+def test_turn_2_is_scored_on_the_tests_the_feedback_did_not_show():
+    item = _square_item("\n".join(f"assert candidate({x}) == {x * x}" for x in (1, 2, 3, 4)))
+    feedback = _feedback(item, "def square(x):\n    return 0")
+    assert feedback.startswith("Attempt 1: the joint program passed 0 of 2 tests.")  # tests 0 and 2 are shown
+    assert "candidate(1) == 1" in feedback and "candidate(3) == 9" in feedback
+    assert "candidate(2)" not in feedback and "candidate(4)" not in feedback
+    assert task.run_tests(item, HONEST, part="hidden").total == 2
+    hard_coded = "def square(x):\n    return {1: 1, 3: 9}.get(x, 0)"  # the values the feedback showed
+    assert _score(item, hard_coded) == pytest.approx(0.0 + 0.1)
+    assert _score(item, "def square(x):\n    return {2: 4, 4: 16}.get(x, 0)") == pytest.approx(1.0 + 0.1)
+    assert _score(item, HONEST) == pytest.approx(1.1)
+    # hidden_tests=False: today's behaviour, every test reported and scored
+    everything = _feedback(item, "def square(x):\n    return 0", hidden_tests=False)
+    assert everything.startswith("Attempt 1: the joint program passed 0 of 4 tests.") and "candidate(2)" in everything
+    assert task.reward([TRIVIAL_HELPER], [hard_coded], batch_items=[item], hidden_tests=False) == [pytest.approx(0.6)]
+    with pytest.raises(ValueError, match="part must be"):
+        task.run_tests(item, HONEST, part="some")
+
+
+def test_a_check_that_is_one_test_is_hidden_and_reported_as_a_count():
+    item = _square_item("globals()['r'] = candidate(3)\nassert r == 9")  # read dynamically: one test
+    feedback = _feedback(item, WRONG)
+    assert feedback.startswith("Attempt 1: the joint program passed 0 of 1 tests.\n")
+    assert "~~~text" not in feedback and "== 9" not in feedback
+    assert _score(item, WRONG) == pytest.approx(0.1) and _score(item, HONEST) == pytest.approx(1.1)

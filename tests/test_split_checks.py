@@ -247,3 +247,6 @@ def test_channels_through_the_sandbox(variant):
     assert honest.passed == honest.total == 2, honest.errors
     wrong = task.run_tests(item, WRONG)
     assert wrong.passed == 1 and wrong.test_passed == [True, False], wrong.errors
+    helper = "def aux(x):\n    return x"  # the reward: the pass rate plus 0.1 for defining `square`
+    assert task.reward([helper], [WRONG], batch_items=[item], hidden_tests=False) == [pytest.approx(0.5 + 0.1)]
+    assert task.reward([helper], [WRONG], batch_items=[item]) == [pytest.approx(0.1)]  # the hidden test fails

@@ -14,6 +14,14 @@ Reward of one joint action (at most 1.2):
 The structure bonus gives a learning signal before any test passes; it is small, so a correct program always
 beats a well-shaped wrong one.
 
+Hidden tests (`hidden_tests=True`, the default of `reward` and `transition`): each problem's tests are split once
+into a shown part (tests 0, 2, ...) and a hidden part (tests 1, 3, ...; a single test is hidden), see
+`shown_and_hidden`. The feedback between turns reports and quotes only the shown tests, and the reward counts
+only the hidden ones, so a revision that hard-codes the expected values it was shown earns nothing for them. The
+reward cannot tell turns apart (the trainer calls it with the same item at every turn), so every turn is scored on
+the hidden part. `hidden_tests=False` (pass it to both, e.g. with `functools.partial`) scores and reports all
+tests, as before; it suits single-turn training, where no feedback is shown.
+
 Reward integrity: the tests are checked by `sandbox.run_python` outside the agents' code, which only returns
 plain data, so no object with a rigged `__eq__`, patched builtin, forged report, early exit or `StopIteration`
 raises the pass rate. On Linux as root the code runs isolated (namespaces, own uid, read-only tree without the
@@ -23,7 +31,7 @@ side channels are not covered. The structure bonus is computed from the source t
 `aux` count, any top-level binding of `aux` by the main agent cancels the call bonus, and the entry point must be
 defined under its exact name), so it cannot be faked at run time, only earned by the code's shape.
 
-Between turns, `transition` runs the tests again and gives each agent a revision prompt with the test results
+Between turns, `transition` runs the shown tests again and gives each agent a revision prompt with the test results
 (the first failing tests, with the values obtained, quoted as escaped single lines in a `~~~text` block), its own
 previous code and the teammate's code (in fences longer than any run of backticks in them); the
 formatters put the problem statement and the agent's role in front of it. Keep the trainer's
@@ -39,7 +47,7 @@ formatters put the problem statement and the agent's role in front of it. Keep t
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from datasets import Dataset
 
@@ -56,6 +64,7 @@ from .sandbox import SandboxResult, run_python
 
 
 SANDBOX_TIMEOUT = 2.0  # seconds per joint program
+T = TypeVar("T")
 MAX_REWARD = 1.0 + 2 * STRUCTURE_BONUS
 
 # (entry_point, prompt, helper_hint, tests)
@@ -260,6 +269,43 @@ def formatters() -> list[Callable[..., str]]:
 # ----- reward -----
 
 
+def shown_and_hidden(tests: Sequence[T]) -> tuple[list[T], list[T]]:
+    """An item's tests split for multi-turn feedback, deterministically: `(shown, hidden)`.
+
+    Tests 0, 2, 4, ... are shown (turn 1's feedback quotes them), tests 1, 3, 5, ... are hidden (the reward scores
+    them); a single test is hidden and nothing is shown.
+    """
+    tests = list(tests)
+    if len(tests) == 1:
+        return [], tests
+    return tests[0::2], tests[1::2]
+
+
+def feedback_tests(tests: Sequence[T], hidden_tests: bool) -> tuple[list[T], bool]:
+    """The tests turn 1's feedback reports, and whether it may quote them: with `hidden_tests`, the shown part
+    (quoted) or, where nothing is shown (a single test), the hidden test as a count only (no text, no values);
+    without it, all tests (quoted)."""
+    shown, hidden = shown_and_hidden(tests)
+    if not validated_hidden_tests(hidden_tests):
+        return list(tests), True
+    return (shown, True) if shown else (hidden, False)
+
+
+def counts_only(result: SandboxResult) -> SandboxResult:
+    """`result` without its error texts (which quote the tests and their expected values)."""
+    return SandboxResult(result.passed, result.total, timed_out=result.timed_out)
+
+
+def validated_hidden_tests(hidden_tests: bool) -> bool:
+    """`hidden_tests`, checked to be a bool."""
+    if not isinstance(hidden_tests, bool):
+        raise ValueError(
+            f"hidden_tests must be True (score on tests the feedback does not show) or False (score on all tests), "
+            f"got {hidden_tests!r}."
+        )
+    return hidden_tests
+
+
 def run_tests(helper_code: str, main_code: str, tests: Sequence[str]) -> SandboxResult:
     """Run `tests` against the joint program (cached: the reward and the transition see the same programs)."""
     return _run_cached(joint_program(helper_code, main_code), tuple(tests))
@@ -273,15 +319,23 @@ def _run_cached(program: str, tests: tuple[str, ...]) -> SandboxResult:
 
 
 def reward(
-    helper_completions: Sequence[str], main_completions: Sequence[str], *, batch_items: Sequence[dict[str, Any]]
+    helper_completions: Sequence[str],
+    main_completions: Sequence[str],
+    *,
+    batch_items: Sequence[dict[str, Any]],
+    hidden_tests: bool = True,
 ) -> list[float]:
-    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
+    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus.
+
+    With `hidden_tests` (the default) only the tests `transition`'s feedback does not show are scored, at every
+    turn; `hidden_tests=False` scores all of them (then pass the same to `transition`)."""
     item = batch_items[0]
+    tests = shown_and_hidden(item["tests"])[1] if validated_hidden_tests(hidden_tests) else item["tests"]
     return joint_rewards(
         helper_completions,
         main_completions,
         item["entry_point"],
-        lambda helper, main: run_tests(helper, main, item["tests"]),
+        lambda helper, main: run_tests(helper, main, tests),
     )
 
 
@@ -296,19 +350,28 @@ def transition(
     prompt_history_per_agent: Sequence[Sequence[Any]],
     response_history_per_agent: Sequence[Sequence[str]],
     batch_item: dict[str, Any],
+    hidden_tests: bool = True,
 ) -> list[str]:
     """The next turn's revision prompts `[helper_prompt, main_prompt]` for one joint action.
 
     Each holds the test results of the joint program (the first failing tests, truncated), the agent's own code
-    and the teammate's code, and asks for a revised function. `prompt` and `prompt_history_per_agent` are part of
-    the transition contract but not needed here.
+    and the teammate's code, and asks for a revised function. With `hidden_tests` (the default) the results are
+    those of the shown tests only (`shown_and_hidden`), so the expected values the reward checks are never quoted;
+    `hidden_tests=False` reports all tests (then pass the same to `reward`). `prompt` and
+    `prompt_history_per_agent` are part of the transition contract but not needed here.
     """
+    tests, quoted = feedback_tests(batch_item["tests"], hidden_tests)
+
+    def feedback(helper: str, main: str) -> SandboxResult:
+        result = run_tests(helper, main, tests)
+        return result if quoted else counts_only(result)
+
     return revision_prompts(
         agent_completions,
         num_agents,
         len(response_history_per_agent[0]),
         batch_item["entry_point"],
-        lambda helper, main: run_tests(helper, main, batch_item["tests"]),
+        feedback,
         "code-feedback",
     )
 

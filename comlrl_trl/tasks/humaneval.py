@@ -36,6 +36,14 @@ Reward of one joint action (at most 1.2):
 `passed / total` is the fraction of the problem's tests that pass; the structure bonus is that of
 `code_feedback` (`comlrl_trl.tasks.coding.structure_bonus`). A correct program scores at least 1.1.
 
+Hidden tests (`hidden_tests=True`, the default of `reward` and `transition`), as in `code_feedback`: the tests of
+`split_check` are split by position into a shown part (tests 0, 2, ...) and a hidden part (tests 1, 3, ...); the
+feedback between turns reports only the shown tests and the reward counts only the hidden ones (at every turn), so
+expected values the feedback quoted earn nothing when hard-coded. A check that is one test (e.g. a whole check
+with `globals()`) is hidden, and the feedback then says only how many tests passed. The evaluation metrics count
+every test at every turn (HumanEval's pass@k is defined on the whole check). `hidden_tests=False` on both restores
+scoring and reporting on all tests.
+
 Split (fixed): problem `HumanEval/i` is in `"eval"` when `i % 4 == 3` (41 problems), else in `"train"`
 (123 problems).
 
@@ -56,10 +64,11 @@ import ast
 import builtins
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from datasets import Dataset
 
+from .code_feedback import counts_only, feedback_tests, shown_and_hidden, validated_hidden_tests
 from .coding import (
     HELPER_NAME,
     STRUCTURE_BONUS,
@@ -360,12 +369,18 @@ def prompt_context(prompt: str, entry_point: str) -> str:
     return "\n\n".join(ast.unparse(node) for node in kept)
 
 
-def run_tests(item: dict[str, Any], *codes: str) -> SandboxResult:
+def run_tests(item: dict[str, Any], *codes: str, part: Literal["all", "shown", "hidden"] = "all") -> SandboxResult:
     """Run the item's tests against the program: its context, then `codes` (e.g. helper code, main code).
 
-    Cached: the reward, the transition and the evaluation see the same programs.
+    `part` picks the tests: `"all"`, or the `"shown"` or `"hidden"` part of `code_feedback.shown_and_hidden`
+    (the tests of `split_check`, split by position). Cached: the reward, the transition and the evaluation see
+    the same programs.
     """
     setup, tests = split_check(item["test"], item["prompt"], item["entry_point"])
+    if part not in ("all", "shown", "hidden"):
+        raise ValueError(f"part must be 'all', 'shown' or 'hidden', got {part!r}.")
+    if part != "all":
+        tests = tuple(shown_and_hidden(tests)[part == "hidden"])
     if not any(code.strip() for code in codes):
         return SandboxResult(
             0, len(tests), ["No code: no function definition was written"], test_passed=[False] * len(tests)
@@ -412,12 +427,23 @@ def formatters() -> list[Callable[..., str]]:
 
 
 def reward(
-    helper_completions: Sequence[str], main_completions: Sequence[str], *, batch_items: Sequence[dict[str, Any]]
+    helper_completions: Sequence[str],
+    main_completions: Sequence[str],
+    *,
+    batch_items: Sequence[dict[str, Any]],
+    hidden_tests: bool = True,
 ) -> list[float]:
-    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus."""
+    """One reward per joint action (see the module docstring): tests passed, plus the structure bonus.
+
+    With `hidden_tests` (the default) only the tests `transition`'s feedback does not show are scored, at every
+    turn; `hidden_tests=False` scores all of them (then pass the same to `transition`)."""
     item = batch_items[0]
+    part = "hidden" if validated_hidden_tests(hidden_tests) else "all"
     return joint_rewards(
-        helper_completions, main_completions, item["entry_point"], lambda helper, main: run_tests(item, helper, main)
+        helper_completions,
+        main_completions,
+        item["entry_point"],
+        lambda helper, main: run_tests(item, helper, main, part=part),
     )
 
 
@@ -429,15 +455,26 @@ def transition(
     prompt_history_per_agent: Sequence[Sequence[Any]],
     response_history_per_agent: Sequence[Sequence[str]],
     batch_item: dict[str, Any],
+    hidden_tests: bool = True,
 ) -> list[str]:
     """The next turn's revision prompts `[helper_prompt, main_prompt]`, as in `code_feedback`: the test results of
-    the joint program, the agent's own code and the teammate's code."""
+    the joint program, the agent's own code and the teammate's code. With `hidden_tests` (the default) the results
+    are those of the shown tests only, so the expected values the reward checks are never quoted;
+    `hidden_tests=False` reports all tests (then pass the same to `reward`)."""
+    _, tests = split_check(batch_item["test"], batch_item["prompt"], batch_item["entry_point"])
+    _, quoted = feedback_tests(range(len(tests)), hidden_tests)  # which part is reported, by position
+    part = "all" if not hidden_tests else ("shown" if quoted else "hidden")
+
+    def feedback(helper: str, main: str) -> SandboxResult:
+        result = run_tests(batch_item, helper, main, part=part)
+        return result if quoted else counts_only(result)
+
     return revision_prompts(
         agent_completions,
         num_agents,
         len(response_history_per_agent[0]),
         batch_item["entry_point"],
-        lambda helper, main: run_tests(batch_item, helper, main),
+        feedback,
         "HumanEval",
     )
 
