@@ -13,7 +13,9 @@ A checkpoint directory `checkpoint-N/` holds:
 Checkpoints are written into a hidden staging directory, unique to the run, and renamed into place, so a process
 killed while saving leaves the previous checkpoints intact and no partial `checkpoint-N`. One live run at a time
 may write a checkpoint directory: it holds an exclusive `flock` on `.comlrl_trl.lock` there for its whole
-`train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one).
+`train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one). The
+same lock on `output_dir` is taken at the first `train()` and held until the process exits (`hold_output_dir`), so
+that the results written after training (`save_model`, a recipe's `models/` and `metrics.json`) are covered too.
 On a filesystem without a working `flock` (NFS mounted `nolock`, some Lustre setups) the run warns once and goes on
 without the lock: nothing then stops a second run from writing the same directory, and staging directories left by
 crashed runs are not cleaned up. Resuming verifies the manifest and names any missing or damaged file; with several
@@ -26,6 +28,7 @@ agents with optimiser state) then costs about 3-7 minutes on one core; with 8 fr
 the filesystem reads.
 """
 
+import atexit
 import concurrent.futures
 import contextlib
 import enum
@@ -35,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import uuid
 import warnings
@@ -65,6 +69,16 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
             wandb_config = {**wandb_config, **identity, "resume": "allow"}
     """
     path = os.path.join(os.fspath(checkpoint), METADATA_NAME)
+    if not os.path.exists(os.fspath(checkpoint)):
+        parent = os.path.dirname(os.path.abspath(os.fspath(checkpoint)))
+        found = [os.path.basename(p) for _, p in list_checkpoints(parent)]
+        listing = (
+            f"The complete checkpoints in {parent!r} are: {', '.join(found)}; pass one of them, or "
+            "resume_from_checkpoint=True for the latest."
+            if found
+            else f"{parent!r} holds no complete checkpoint."
+        )
+        raise FileNotFoundError(f"Cannot resume from {os.fspath(checkpoint)!r}: it does not exist. {listing}")
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{os.fspath(checkpoint)!r} is not a complete comlrl_trl checkpoint (no {METADATA_NAME}); it may have "
@@ -172,11 +186,25 @@ def new_staging_token() -> str:
     return broadcast_object_list([uuid.uuid4().hex[:16]])[0]
 
 
+def _holder() -> str:
+    """What a lock file records about its holder: `pid host`."""
+    return f"{os.getpid()} {socket.gethostname()}"
+
+
+def _describe_holder(text: str) -> str:
+    """`pid 123 on host node-1` from a lock file's `123 node-1` (an older file holds only the pid)."""
+    pid, _, host = text.strip().partition(" ")
+    if not pid:
+        return "pid unknown"
+    return f"pid {pid} on host {host}" if host else f"pid {pid}"
+
+
 class RunLock:
-    """An exclusive lock on a checkpoint directory for one run's `train()`: a second live run refuses to start.
+    """An exclusive lock on a directory (checkpoint_dir, output_dir) for one run: a second live run refuses to start.
 
     `flock` locks belong to the open file, so the operating system drops them when the process ends, however it
-    ends: a lock left by a killed run never blocks. The file records the holder's pid for the error message.
+    ends: a lock left by a killed run never blocks. The file records the holder's pid and host for the error message.
+    A directory this process already holds for the rest of its life (`hold_output_dir`) is not locked a second time.
 
     Where `flock` fails with anything but "held by another process" (the filesystem has no working lock), the run
     warns once per process and holds no lock (see the module docstring for what that gives up).
@@ -189,6 +217,14 @@ class RunLock:
         if fcntl is None or self._file is not None:
             return
         os.makedirs(root, exist_ok=True)
+        if os.path.realpath(root) not in _HELD_FOR_PROCESS and not self._lock(root):
+            return
+        for name in os.listdir(root):  # staging directories of runs that died while saving
+            if _STAGING_RE.match(name):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def _lock(self, root: str) -> bool:
+        """Take the flock on `root`'s lock file and write this process into it; False where flock does not work."""
         path = os.path.join(root, LOCK_NAME)
         while True:
             file = open(path, "a+")
@@ -196,12 +232,12 @@ class RunLock:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 file.seek(0)
-                holder = file.read().strip() or "unknown"
+                holder = _describe_holder(file.read())
                 file.close()
                 raise RuntimeError(
-                    f"{root!r} is in use by another live training run (pid {holder}): two runs must not write the "
-                    "same checkpoint directory. Wait for it to finish, stop it, or use another checkpoint_dir / "
-                    "output_dir."
+                    f"{root!r} is in use by another live training run ({holder}): two runs must not write the "
+                    "same directory (checkpoints, models, metrics). Wait for it to finish, stop it, or use another "
+                    "output_dir / checkpoint_dir."
                 ) from None
             except OSError as error:  # no working flock on this filesystem (ENOLCK, EOPNOTSUPP, ...)
                 empty = os.fstat(file.fileno()).st_size == 0
@@ -210,7 +246,7 @@ class RunLock:
                     with contextlib.suppress(OSError):
                         os.remove(path)
                 _warn_no_flock(root, error)
-                return
+                return False
             try:
                 same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
             except FileNotFoundError:
@@ -220,12 +256,10 @@ class RunLock:
             file.close()  # the previous holder removed this file as we locked it: lock the new one
         file.seek(0)
         file.truncate()
-        file.write(f"{os.getpid()}\n")
+        file.write(f"{_holder()}\n")
         file.flush()
         self._file, self._path = file, path
-        for name in os.listdir(root):  # staging directories of runs that died while saving
-            if _STAGING_RE.match(name):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        return True
 
     def release(self) -> None:
         if self._file is not None:
@@ -233,6 +267,72 @@ class RunLock:
                 os.remove(self._path)  # while still holding the lock, so no other run holds a removed file
             self._file.close()  # closing drops the flock
             self._file = None
+
+
+# output_dir (real path) -> its lock, held by this process until it exits
+_HELD_FOR_PROCESS: dict[str, RunLock] = {}
+
+
+def hold_output_dir(output_dir: str) -> bool:
+    """Lock `output_dir` for the rest of this process; True when this call took the lock, False when this process
+    already held it (trainers of one process, one after another, share it).
+
+    Held past `train()`, so that a second run cannot start between the end of training and the results written
+    after it. Raises `RuntimeError` naming the pid and host of a live run in another process that holds it.
+    """
+    key = os.path.realpath(output_dir)
+    if key in _HELD_FOR_PROCESS:
+        return False
+    lock = RunLock()
+    lock.acquire(output_dir)
+    if not _HELD_FOR_PROCESS:
+        atexit.register(_release_output_dirs)
+    _HELD_FOR_PROCESS[key] = lock
+    return True
+
+
+def _release_output_dirs() -> None:
+    while _HELD_FOR_PROCESS:
+        _HELD_FOR_PROCESS.popitem()[1].release()
+
+
+# What a finished run leaves in its output_dir: `save_model`'s settings and the recipes' `models/` and report.
+RESULT_FILES = ("team_settings.json", "models", "metrics.json")
+
+
+def earlier_results(output_dir: str) -> list[str]:
+    """The results of a run found in `output_dir` (see `RESULT_FILES`), by name."""
+    return [name for name in RESULT_FILES if os.path.exists(os.path.join(output_dir, name))]
+
+
+def refuse_overwriting_results(output_dir: str, found: list[str]) -> None:
+    """A new run must not overwrite another run's results (`found` in `output_dir`) without `overwrite_output_dir`."""
+    if found:
+        raise FileExistsError(
+            f"output_dir={output_dir!r} holds the results of an earlier run ({', '.join(found)}), which this run "
+            "would overwrite. Use another output_dir, resume that run (resume_from_checkpoint=...), or set "
+            "overwrite_output_dir=True (--overwrite_output_dir, or `overwrite_output_dir: true` in YAML) to replace "
+            "them."
+        )
+
+
+def on_main_process(function, accelerator):
+    """`function()` on the main process only; every process gets its result, or raises its error (so that no rank
+    goes on to wait for a rank that stopped)."""
+    if accelerator.num_processes == 1:
+        return function()
+    from accelerate.utils import broadcast_object_list
+
+    verdict: list[Any] = [None, None]
+    if accelerator.is_main_process:
+        try:
+            verdict = [function(), None]
+        except Exception as error:
+            verdict = [None, error]
+    result, error = broadcast_object_list(verdict)
+    if error is not None:
+        raise error
+    return result
 
 
 _warned_no_flock = False
@@ -250,6 +350,23 @@ def _warn_no_flock(root: str, error: OSError) -> None:
         "filesystem with locking (a local disk, or NFS mounted with locking).",
         stacklevel=4,
     )
+
+
+def check_output_dir(output_dir) -> None:
+    """Refuse an `output_dir` that cannot become a directory: it, or the nearest part of its path that exists, is a
+    file."""
+    if output_dir is None:
+        return
+    path = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == path else f"is inside {existing!r}, which is a file"
+        raise ValueError(
+            f"output_dir={os.fspath(output_dir)!r} {where}: output_dir must be a directory (it receives checkpoints, "
+            "models and logs). Choose another output_dir, or move the file away."
+        )
 
 
 def check_writable(root: str, what: str) -> None:

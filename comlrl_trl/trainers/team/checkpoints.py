@@ -21,6 +21,7 @@ import torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
 from ...adapters.helpers import call_save_model
 from ...checkpoint import (
@@ -30,10 +31,14 @@ from ...checkpoint import (
     check_checkpoint_options,
     check_compatible,
     check_writable,
+    earlier_results,
+    hold_output_dir,
     latest_checkpoint,
     new_staging_token,
     objects_state,
+    on_main_process,
     refuse_foreign_checkpoints,
+    refuse_overwriting_results,
     restore_objects,
     result_settings,
     save_staged,
@@ -43,6 +48,9 @@ from ...checkpoint import (
     write_metadata,
 )
 from ...integrations.wandb import WandbRunCallback
+
+
+logger = logging.get_logger(__name__)
 
 
 def class_path(obj) -> str:
@@ -72,13 +80,26 @@ class Checkpoints:
         self._last_saved_step = None
 
     def _claim_checkpoint_root(self) -> RunLock:
-        """Check that the checkpoint root is writable and lock it for this run (one live run per directory)."""
+        """Check that the checkpoint root is writable and lock it for this run (one live run per directory), after
+        `output_dir` (see `_claim_output_dir`)."""
+        self._claim_output_dir()
         self._staging_token = new_staging_token()
         lock, root = RunLock(), self._checkpoint_root()
         if root is not None and self.args.should_save:
             check_writable(root, "checkpoint_dir" if self._checkpoint_dir is not None else "output_dir")
             lock.acquire(root)
         return lock
+
+    def _claim_output_dir(self) -> None:
+        """One live run per `output_dir`, whatever the save strategy: the main process locks it at the first `train()`
+        and holds it until the process exits (the results are written after training); every process gets its
+        verdict. The results of an earlier run found there are checked against resuming in `_prepare_resume`."""
+        output_dir = self.args.output_dir
+
+        def claim() -> list[str]:
+            return earlier_results(output_dir) if hold_output_dir(output_dir) else []
+
+        self._earlier_results = on_main_process(claim, self.accelerator) if output_dir else []
 
     def _checkpoint_root(self, trial=None) -> str | None:
         """Where this run writes its checkpoints: `checkpoint_dir`, or None (no checkpoint)."""
@@ -103,8 +124,21 @@ class Checkpoints:
             self._run_id, self.checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:
             self._run_id, self.checkpoint_sequence = uuid.uuid4().hex, 0
+            if not getattr(self.args, "overwrite_output_dir", False):
+                refuse_overwriting_results(self.args.output_dir, getattr(self, "_earlier_results", []))
         refuse_foreign_checkpoints(root, self._run_id)
         return self._resume_path
+
+    def _announce_resume(self, checkpoint: str) -> None:
+        """Say where the run resumed (on the main process, through transformers' logger, shown by default)."""
+        if self.accelerator.is_main_process:
+            logger.warning(
+                "Resuming from %s at step %d (epoch %.4g of %d).",
+                checkpoint,
+                self.state.global_step,
+                self.state.epoch or 0.0,
+                self.state.num_train_epochs,
+            )
 
     def compatibility(self) -> dict[str, Any]:
         """What must not change between a checkpoint and the trainer resuming from it; families add their settings."""

@@ -11,6 +11,7 @@ import torch
 from trl import GRPOConfig
 
 from ...agent_overrides import PER_AGENT_FIELDS, check_positive, validate_agent_overrides
+from ...checkpoint import check_output_dir
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
 from ...hardware import bf16_is_fast, cpu_bf16_pays_off
@@ -171,8 +172,9 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         > Parameters that control evaluation and logging
 
         logging_steps (`int`, *optional*, defaults to `10`):
-            Minimum gap, counted in `env_step` (joint-action reward evaluations), between two training logs. The
-            first training step always logs.
+            Log the training metrics every `logging_steps` optimiser updates (`global_step`), as in TRL; the first
+            update always logs too, so that a short run still reports its rewards. Each log line also gives
+            `env_step` (joint-action reward evaluations so far).
         eval_interval (`int`, *optional*, defaults to `16`):
             Evaluate before task item 0 of every epoch and then every `eval_interval` training task items;
             `0` evaluates only when `evaluate()` is called.
@@ -181,6 +183,11 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         eval_batch_size (`int`, *optional*, defaults to `1`):
             Batch size of the evaluation data loader (not the number of responses: evaluation samples one response
             per agent per item).
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            Let a new run write into an `output_dir` that holds the results of an earlier run (`team_settings.json`,
+            `models/`, `metrics.json`), replacing them. Without it such a run is refused when `train()` starts;
+            resuming a run (`resume_from_checkpoint`) may always write into its own `output_dir`. A live run in
+            another process always holds its `output_dir` (`.comlrl_trl.lock`), whatever this says.
 
     Defaults that differ from [`~trl.GRPOConfig`]: `num_generations=4`, `learning_rate=5e-6`,
     `lr_scheduler_type="constant"` (TRL's linear decay to 0 learned less per epoch), `temperature=0.6`, `top_p=0.6`,
@@ -318,6 +325,10 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     )
     shuffle_dataset: bool | None = field(default=False, metadata={"help": "Reshuffle the task items every epoch."})
     save_strategy: str = field(default="no", metadata={"help": "TRL checkpoint strategy."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Let a new run replace the results of an earlier run in output_dir (refused otherwise)."},
+    )
     logging_nan_inf_filter: bool = field(
         default=False, metadata={"help": "Kept False: a non-finite loss raises instead of being hidden."}
     )
@@ -499,7 +510,8 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
                 f"sampling temperature, as TRL's GRPO), got {self.logprob_temperature!r}."
             )
         if self.logging_steps < 1:
-            raise ValueError(f"logging_steps is a minimum env_step gap and must be >= 1, got {self.logging_steps!r}.")
+            raise ValueError(f"logging_steps counts optimiser updates and must be >= 1, got {self.logging_steps!r}.")
+        check_output_dir(self.output_dir)
         _check_choice("joint_mode", self.joint_mode, ("align", "cross"))
         _check_choice("advantage_mode", self.advantage_mode, ("mean", "raw", "max", "rloo"))
         self._validate_turns()
