@@ -11,7 +11,6 @@ from helpers import length_ratio_reward
 from test_recipes import _recipe
 
 from comlrl_trl.centralized import CentralizedCollaboration, TaggedCentralizedComparatorAdapter
-from comlrl_trl.inputs import check_reward_arity
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig
 from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterConfig
 from comlrl_trl.trainers.reinforce import (
@@ -224,6 +223,8 @@ class _CallableReward:
     "reward_func", [_star, _optional_third, _with_kwargs, _CallableReward(), length_ratio_reward, max]
 )
 def test_every_documented_reward_signature_is_accepted(reward_func):
+    from comlrl_trl.inputs import check_reward_arity
+
     # *completions, a defaulted extra list, **kwargs, a callable object, the docs' reward, a builtin without a
     # signature: none is refused
     check_reward_arity(reward_func, 2)
