@@ -65,3 +65,50 @@ def test_a_failed_train_closes_the_progress_bar(qwen_path, prompts_dataset, make
     with pytest.raises(RuntimeError, match="reward service down"):
         trainer.train()
     assert bars[0].bar is None
+
+
+_CHATTY_RUN = """
+import sys
+from datasets import Dataset
+from transformers import TrainerCallback
+from transformers.utils import logging
+from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+class Chatty(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        logging.get_logger("comlrl_trl.probe").warning("a log line at step %d", state.global_step)
+        logging.get_logger("transformers.probe").warning("a transformers line at step %d", state.global_step)
+
+MAGRPOTrainer(
+    agent_model=sys.argv[1],
+    reward_func=lambda a, b: [float(len(y) - len(x)) for x, y in zip(a, b)],
+    train_dataset=Dataset.from_dict({"prompt": ["Item 0", "Item 1", "Item 2"]}),
+    callbacks=[Chatty()],
+    args=MAGRPOConfig(output_dir=sys.argv[2], num_generations=2, max_new_tokens=4, steps_per_generation=1,
+                      logging_steps=1, eval_interval=0, report_to="none", gradient_checkpointing=False),
+).train()
+"""
+
+
+def test_log_lines_are_written_above_the_bar_never_glued_to_it(qwen_path, tmp_path):
+    """While the bar is open, the messages of Python's and transformers' loggers go through tqdm.write: in a real
+    run's stderr each one stands alone after the bar's last carriage return, never appended to a bar line."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _CHATTY_RUN, qwen_path, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    segments = [part for line in (run.stderr + run.stdout).split("\n") for part in line.split("\r")]
+    glued = [part for part in segments if part.startswith("training:") and "line at step" in part]
+    assert glued == []
+    for step in (1, 2, 3):
+        assert f"a log line at step {step}" in segments
+        assert any(part.endswith(f"] a transformers line at step {step}") for part in segments)  # its own format
+        assert any(part.startswith(f"step {step} | env_step") for part in segments)  # the bar's own log lines

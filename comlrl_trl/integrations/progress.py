@@ -1,5 +1,8 @@
 """Readable progress for multi-agent training: one bar with the joint reward, one short line per log."""
 
+import contextlib
+import logging as std_logging
+
 from transformers import TrainerCallback
 from transformers.utils import logging
 
@@ -22,19 +25,26 @@ _HEADLINE = (
 class TeamProgressCallback(TrainerCallback):
     """A progress bar over optimiser steps showing the latest joint reward, and a compact line per log.
 
-    It replaces transformers' `ProgressCallback`, which prints every logged key (dozens per agent).
+    It replaces transformers' `ProgressCallback`, which prints every logged key (dozens per agent). While the bar is
+    open, its lines and the messages of Python's and transformers' loggers are written above the bar
+    (`tqdm.write`), never glued to it.
     """
 
     def __init__(self):
         self.bar = None
+        self._redirect = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(
                 total=state.max_steps, initial=state.global_step, desc="training", unit="step", dynamic_ncols=True
             )
+            self._redirect = contextlib.ExitStack()
+            loggers = [std_logging.getLogger(), std_logging.getLogger("transformers")]  # the root, and transformers'
+            self._redirect.enter_context(logging_redirect_tqdm(loggers, tqdm_class=type(self.bar)))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -59,6 +69,9 @@ class TeamProgressCallback(TrainerCallback):
 
     def close(self) -> None:
         """Close the bar (also when training stopped with an error, so it is not printed again at exit)."""
+        if self._redirect is not None:
+            self._redirect.close()  # the loggers write to their own streams again
+            self._redirect = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
