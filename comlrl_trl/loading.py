@@ -48,6 +48,63 @@ def architecture(model: nn.Module) -> dict[str, Any]:
     return {"model class": type(base).__name__, **config}
 
 
+_MODEL_FILES = ("config.json", "adapter_config.json")  # a model directory, or a PEFT adapter saved by save_model
+
+
+def check_model_source(source, name: str) -> None:
+    """Refuse, naming the argument (`name`), a model string that cannot load: a local-looking path that does not
+    exist, a directory without `config.json` (or a PEFT adapter's `adapter_config.json`), a file, or, with
+    `HF_HUB_OFFLINE` set, a Hub id that is not in the local cache. Model objects pass.
+
+    A string is a local path when it starts with `.`, `/` or `~`, has more than the one `/` of a Hub id
+    (`namespace/name`), or its parent directory exists; anything else is a Hub id.
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    text = os.fspath(source)
+    path = os.path.expanduser(text)
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, file)) for file in _MODEL_FILES):
+            raise ValueError(
+                f"{name}={text!r} is a directory without config.json, so it is not a model. Pass the directory that "
+                "holds the model's config.json and weights (what save_pretrained writes, or an agent_i directory of "
+                "save_model)."
+            )
+        return
+    if os.path.exists(path):
+        raise ValueError(f"{name}={text!r} is a file, not a model: pass the directory that holds config.json.")
+    parent = os.path.dirname(path.rstrip("/"))
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or (parent and os.path.isdir(parent)):
+        raise ValueError(
+            f"{name}={text!r}: no such directory ({os.path.abspath(path)!r}). Pass an existing model directory (one "
+            "with config.json) or a Hub model id such as 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    if _hub_offline() and not _in_hub_cache(text):
+        raise ValueError(
+            f"{name}={text!r} is not a local directory, and HF_HUB_OFFLINE is set, so it must come from the Hub "
+            "cache, which does not hold it. Download it once with network access (`hf download "
+            f"{text}`), pass a local model directory, or unset HF_HUB_OFFLINE."
+        )
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode()) if hasattr(constants, "is_offline_mode") else constants.HF_HUB_OFFLINE
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    for file in _MODEL_FILES:
+        try:
+            if isinstance(try_to_load_from_cache(repo_id, file), str):
+                return True
+        except ValueError:  # not a valid repo id (HFValidationError)
+            return False
+    return False
+
+
 def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:
     """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object."""
     if isinstance(source, nn.Module):

