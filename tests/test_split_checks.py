@@ -155,6 +155,7 @@ POSITIONS = {
     "saved_result": "r = candidate(3)\n{call:r}\n{check}",
     "test_in_between": "{call:candidate(3)}\nassert candidate(2) == 4\n{check}",
     "in_a_loop": "for x in [3]:\n    {call:candidate(x)}\n{check}",
+    "in_a_candidate_argument": "candidate(({call:candidate(3)}, 0)[1])\n{check}",  # the call's value is thrown away
 }
 
 LEADING_TEST = "assert candidate(0) == 0"  # independent of the channel: it stays a test of its own
@@ -210,7 +211,7 @@ def _run_here(item: dict, square) -> list[bool]:
 
 
 def test_the_family_is_large_and_covers_every_dimension():
-    assert len(FAMILY) >= 500
+    assert len(FAMILY) >= 700
     ids = [param.id for param in FAMILY]
     for dimension in (CHANNELS, ALIASES, POSITIONS):
         assert all(any(f"{name}/" in f"{i}/" for i in ids) for name in dimension)
@@ -250,3 +251,18 @@ def test_channels_through_the_sandbox(variant):
     helper = "def aux(x):\n    return x"  # the reward: the pass rate plus 0.1 for defining `square`
     assert task.reward([helper], [WRONG], batch_items=[item], hidden_tests=False) == [pytest.approx(0.5 + 0.1)]
     assert task.reward([helper], [WRONG], batch_items=[item]) == [pytest.approx(0.1)]  # the hidden test fails
+
+
+def test_a_test_that_needs_an_earlier_tests_state_stays_with_it():
+    """A helper with state, called in the candidate's arguments: the second test's input depends on the first
+    test having run. Apart, the hidden part (run without the shown one) would fail an honest program."""
+    item = _variant("method", "direct", "inline")
+    item["test"] = (
+        "COUNTER = [0]\n\ndef nxt():\n    COUNTER[0] += 1\n    return COUNTER[0]\n\n\n"
+        "def check(candidate):\n    assert candidate(nxt()) == 1\n    assert candidate(nxt()) == 4\n"
+    )
+    assert task.split_check(item["test"], item["prompt"], item["entry_point"])[1] == (
+        "assert candidate(nxt()) == 1\nassert candidate(nxt()) == 4",
+    )
+    helper = "def aux(x):\n    return x"
+    assert task.reward([helper], [HONEST], batch_items=[item]) == [pytest.approx(1.1)]

@@ -17,7 +17,8 @@ assigned or changed (`out = candidate(3)` then `assert out == 9`; `res.append(ca
 Any use of a value may change it (a call it is passed to, as an argument or as the object of a method, a helper
 the test defines, an operator of a class it defines, a generator it feeds), so every name a statement uses counts
 as changed, together with its aliases (names that may share its objects through an assignment, a loop, a call or
-a function reading them); only calls of the candidate, which get copies, unbound built-ins and modules are exempt.
+a function reading them); only names passed as they are to the candidate (`candidate(xs)`: it gets a copy),
+unbound built-ins and modules are exempt.
 Where this cannot be read from the source (`globals()`, `exec`, `global`, star imports in `check`), the whole body
 of `check` is one test. The other statements of `check` (imports, assignments such as `rng = random.Random(42)`)
 and the module level of `test` (`METADATA = ...`, imports) become trusted setup, together with the prompt's
@@ -310,11 +311,15 @@ class _Flow:
         return groups
 
     def _used(self, node: ast.AST) -> set[str]:
-        """The names read in `node`, except in calls of the candidate (which only get copies)."""
+        """The names read in `node`, except names passed as they are to the candidate (`candidate(xs)`, which only
+        gets a copy); what the candidate's arguments compute (`candidate(push(out, 3))`) is used."""
         names, stack = set(), [node]
         while stack:
             node = stack.pop()
             if isinstance(node, ast.Call) and self._calls_candidate(node):
+                arguments = [*node.args, *(keyword.value for keyword in node.keywords)]
+                values = [argument.value if isinstance(argument, ast.Starred) else argument for argument in arguments]
+                stack.extend(value for value in values if not isinstance(value, ast.Name))
                 continue
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
                 names.add(node.id)
