@@ -266,3 +266,21 @@ def test_a_test_that_needs_an_earlier_tests_state_stays_with_it():
     )
     helper = "def aux(x):\n    return x"
     assert task.reward([helper], [HONEST], batch_items=[item]) == [pytest.approx(1.1)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "match candidate(3):\n    case value:\n        pass\nassert value == 9",
+        "match [candidate(3)]:\n    case [first, *rest]:\n        pass\nassert first == 9",
+        "match {'k': candidate(3)}:\n    case {**rest}:\n        pass\nassert rest == {'k': 9}",
+        "match candidate(3):\n    case int() as value if value > 0:\n        pass\nassert value == 9",
+    ],
+)
+def test_a_name_a_match_case_captures_is_checked_in_the_test_of_the_match(body):
+    """Capture patterns bind names without an assignment: a check of a captured value stays with its match."""
+    item = _variant("method", "direct", "inline")
+    item["test"] = "def check(candidate):\n" + textwrap.indent(f"{LEADING_TEST}\n{body}", "    ") + "\n"
+    _, tests = task.split_check(item["test"], item["prompt"], item["entry_point"])
+    assert tests == (LEADING_TEST, ast.unparse(ast.parse(body)))
+    assert _run_here(item, honest_square) == [True, True] and _run_here(item, wrong_square) == [True, False]

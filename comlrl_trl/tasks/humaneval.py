@@ -239,10 +239,10 @@ def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str], bool]:
     """(names read, names bound, names whose objects are changed in place, whether names are used dynamically)
     anywhere in `statement`, as the syntax shows them.
 
-    A name is bound when it is assigned, deleted, imported or defined; its object is changed in place when it is
-    the base of an assigned or deleted attribute or item (`out[0] = ...`) or of an augmented assignment (`out +=
-    [...]`). What else may change an object (a call it is given to, an operator its class defines) is `_Flow`'s
-    part."""
+    A name is bound when it is assigned, deleted, imported, defined or captured (`case x:`, `except E as x:`); its
+    object is changed in place when it is the base of an assigned or deleted attribute or item (`out[0] = ...`) or
+    of an augmented assignment (`out += [...]`). What else may change an object (a call it is given to, an
+    operator its class defines) is `_Flow`'s part."""
     reads, binds, changed = set(), set(), set()
     dynamic = False
     for node in ast.walk(statement):
@@ -257,6 +257,10 @@ def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str], bool]:
                 binds.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             dynamic = True
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar, ast.ExceptHandler)) and node.name:
+            binds.add(node.name)  # `case [first, *rest]:`, `except ValueError as error:`
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            binds.add(node.rest)
         elif isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
             changed |= _base_names(node)
         elif isinstance(node, ast.AugAssign):
@@ -304,6 +308,8 @@ class _Flow:
                 groups.append(_all_names(node.target) | self._used(node.iter))
             elif isinstance(node, ast.withitem) and node.optional_vars is not None:
                 groups.append(_all_names(node.optional_vars) | self._used(node.context_expr))
+            elif isinstance(node, ast.Match):  # the names a case captures share the subject's objects
+                groups.append(_names(node)[1] | self._used(node.subject))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 groups.append({node.name} | self._used(node))
             elif isinstance(node, ast.Call) and not self._calls_candidate(node):
