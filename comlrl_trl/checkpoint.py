@@ -14,7 +14,7 @@ Checkpoints are written into a hidden staging directory, unique to the run, and 
 killed while saving leaves the previous checkpoints intact and no partial `checkpoint-N`. One live run at a time
 may write a checkpoint directory: it holds an exclusive `flock` on `.comlrl_trl.lock` there for its whole
 `train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one). The
-same lock on `output_dir` is taken at the first `train()` and held until the process exits (`hold_output_dir`), so
+same lock on `output_dir` is taken at the first `train()` and held while the trainer lives (`hold_output_dir`), so
 that the results written after training (`save_model`, a recipe's `models/` and `metrics.json`) are covered too.
 On a filesystem without a working `flock` (NFS mounted `nolock`, some Lustre setups) the run warns once and goes on
 without the lock: nothing then stops a second run from writing the same directory, and staging directories left by
@@ -42,6 +42,7 @@ import socket
 import tempfile
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,7 +205,7 @@ class RunLock:
 
     `flock` locks belong to the open file, so the operating system drops them when the process ends, however it
     ends: a lock left by a killed run never blocks. The file records the holder's pid and host for the error message.
-    A directory this process already holds for the rest of its life (`hold_output_dir`) is not locked a second time.
+    A directory this process already holds as an output_dir (`hold_output_dir`) is not locked a second time.
 
     Where `flock` fails with anything but "held by another process" (the filesystem has no working lock), the run
     warns once per process and holds no lock (see the module docstring for what that gives up).
@@ -269,31 +270,50 @@ class RunLock:
             self._file = None
 
 
-# output_dir (real path) -> its lock, held by this process until it exits
+# output_dir (real path) -> its lock, held while a trainer that trains into it lives (at most until the process exits)
 _HELD_FOR_PROCESS: dict[str, RunLock] = {}
+_OWNERS: dict[str, set[int]] = {}  # output_dir -> the ids of the live trainers holding it
+_CLAIMED: set[str] = set()  # every output_dir this process has trained into
 
 
-def hold_output_dir(output_dir: str) -> bool:
-    """Lock `output_dir` for the rest of this process; True when this call took the lock, False when this process
-    already held it (trainers of one process, one after another, share it).
+def hold_output_dir(output_dir: str, owner: object) -> bool:
+    """Lock `output_dir` while `owner` (a trainer) lives; True the first time this process claims the directory.
 
-    Held past `train()`, so that a second run cannot start between the end of training and the results written
-    after it. Raises `RuntimeError` naming the pid and host of a live run in another process that holds it.
+    Trainers of one process share the lock, one after another. It outlives `train()`, so that a second run cannot
+    start between the end of training and the results written after it (`save_model`, a recipe's `models/` and
+    `metrics.json`); it is released when the last trainer holding it is garbage-collected, or when the process ends.
+    Raises `RuntimeError` naming the pid and host of a live run in another process that holds it.
     """
     key = os.path.realpath(output_dir)
-    if key in _HELD_FOR_PROCESS:
-        return False
-    lock = RunLock()
-    lock.acquire(output_dir)
-    if not _HELD_FOR_PROCESS:
-        atexit.register(_release_output_dirs)
-    _HELD_FOR_PROCESS[key] = lock
-    return True
+    if key not in _HELD_FOR_PROCESS:
+        lock = RunLock()
+        lock.acquire(output_dir)
+        if not _CLAIMED:
+            atexit.register(_release_output_dirs)
+        _HELD_FOR_PROCESS[key] = lock
+    owners = _OWNERS.setdefault(key, set())
+    if id(owner) not in owners:
+        owners.add(id(owner))
+        weakref.finalize(owner, _drop_owner, key, id(owner))
+    first = key not in _CLAIMED
+    _CLAIMED.add(key)
+    return first
+
+
+def _drop_owner(key: str, owner: int) -> None:
+    owners = _OWNERS.get(key, set())
+    owners.discard(owner)
+    if not owners and key in _HELD_FOR_PROCESS:
+        _OWNERS.pop(key, None)
+        _HELD_FOR_PROCESS.pop(key).release()
 
 
 def _release_output_dirs() -> None:
+    """Release every output_dir this process holds and forget them (as when the process ends)."""
     while _HELD_FOR_PROCESS:
         _HELD_FOR_PROCESS.popitem()[1].release()
+    _OWNERS.clear()
+    _CLAIMED.clear()
 
 
 # What a finished run leaves in its output_dir: `save_model`'s settings and the recipes' `models/` and report.

@@ -2,6 +2,7 @@
 results are not overwritten without overwrite_output_dir, and bad paths (output_dir, models, checkpoints) get errors
 that name the argument, the value and the fix when the config or trainer is built."""
 
+import gc
 import os
 import socket
 import subprocess
@@ -66,15 +67,19 @@ def test_a_second_run_into_a_live_runs_output_dir_is_refused_with_its_pid_and_ho
     assert trainer.state.global_step == 0  # refused before training
 
 
-def test_the_lock_file_names_this_run_and_stays_held_after_train(qwen_path, make_config, tmp_path):
+def test_the_lock_file_names_this_run_and_is_held_while_the_trainer_lives(qwen_path, make_config, tmp_path):
     trainer = _trainer(qwen_path, make_config)
     trainer.train()
     lock = tmp_path / "out" / ".comlrl_trl.lock"
     assert lock.read_text() == f"{os.getpid()} {socket.gethostname()}\n"
-    # held until this process exits (a recipe writes models/ and metrics.json after train()): another process fails
+    # held after train() (a recipe writes models/ and metrics.json after it): another process cannot take it
     probe = "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'a+').fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)"
     assert subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True).returncode != 0
-    trainer.train()  # the same process may train again into its own output_dir
+    again = _trainer(qwen_path, make_config, epochs=2)
+    again.train()  # another trainer of this process may train into it, one after the other
+    del trainer, again
+    gc.collect()
+    assert not lock.exists()  # released with the last trainer that held it
 
 
 # ----- a finished run's results -----

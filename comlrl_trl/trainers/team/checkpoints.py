@@ -92,12 +92,12 @@ class Checkpoints:
 
     def _claim_output_dir(self) -> None:
         """One live run per `output_dir`, whatever the save strategy: the main process locks it at the first `train()`
-        and holds it until the process exits (the results are written after training); every process gets its
+        and holds it while this trainer lives (the results are written after training); every process gets its
         verdict. The results of an earlier run found there are checked against resuming in `_prepare_resume`."""
         output_dir = self.args.output_dir
 
         def claim() -> list[str]:
-            return earlier_results(output_dir) if hold_output_dir(output_dir) else []
+            return earlier_results(output_dir) if hold_output_dir(output_dir, self) else []
 
         self._earlier_results = on_main_process(claim, self.accelerator) if output_dir else []
 
