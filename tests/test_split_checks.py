@@ -147,6 +147,7 @@ ALIASES = {
     "dict_value": ("slots = {'h': {h}}", "slots['h']"),
     "attribute": ("import types\nholder = types.SimpleNamespace(h={h})", "holder.h"),
     "accessor": ("def get():\n    return {h}", "get()"),
+    "module_attribute": ("import math\nmath.held_by_a_split_check_test = {h}", "math.held_by_a_split_check_test"),
 }
 
 # Each position: where the call sits ({call:V}: the call with the value V) relative to the check.
@@ -211,7 +212,7 @@ def _run_here(item: dict, square) -> list[bool]:
 
 
 def test_the_family_is_large_and_covers_every_dimension():
-    assert len(FAMILY) >= 700
+    assert len(FAMILY) >= 800
     ids = [param.id for param in FAMILY]
     for dimension in (CHANNELS, ALIASES, POSITIONS):
         assert all(any(f"{name}/" in f"{i}/" for i in ids) for name in dimension)
@@ -284,3 +285,36 @@ def test_a_name_a_match_case_captures_is_checked_in_the_test_of_the_match(body):
     _, tests = task.split_check(item["test"], item["prompt"], item["entry_point"])
     assert tests == (LEADING_TEST, ast.unparse(ast.parse(body)))
     assert _run_here(item, honest_square) == [True, True] and _run_here(item, wrong_square) == [True, False]
+
+
+MODULE_STATE = {
+    "stdout": (
+        "import io, sys\nout = io.StringIO()\nsys.stdout = out",
+        "print(candidate(3))",
+    ),
+    "logging_handler": (
+        "import io, logging\nout = io.StringIO()\nlogger = logging.getLogger('comlrl-split-check-test')\n"
+        "logger.propagate = False\nlogger.addHandler(logging.StreamHandler(out))",
+        "logging.getLogger('comlrl-split-check-test').error(candidate(3))",
+    ),
+}
+
+
+@pytest.mark.parametrize("channel", MODULE_STATE)
+def test_a_value_reached_through_module_state_is_checked_in_the_test_of_the_call(channel, monkeypatch):
+    """`print` writes to `sys.stdout`, a logger to its handlers: a call that names no test value may still
+    change one, once a module holds it."""
+    import logging
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test
+    prep, call = MODULE_STATE[channel]
+    check = "assert out.getvalue() == '9\\n'"
+    item = _variant("method", "direct", "inline")
+    item["test"] = "def check(candidate):\n" + textwrap.indent(f"{prep}\n{LEADING_TEST}\n{call}\n{check}", "    ")
+    try:
+        _, tests = task.split_check(item["test"], item["prompt"], item["entry_point"])
+        assert tests == (LEADING_TEST, f"{call}\n{check}")
+        assert _run_here(item, honest_square) == [True, True] and _run_here(item, wrong_square) == [True, False]
+    finally:
+        logging.getLogger("comlrl-split-check-test").handlers.clear()

@@ -277,14 +277,17 @@ class _Flow:
     defined (a class, a `defaultdict` factory, a generator). So every name a statement uses counts as changed by
     it, together with its aliases: names that may hold the same objects because an assignment, `for`, `with` or
     call put one into the other, or a function or class reads the other. The exceptions hold no state the test
-    can change: built-ins that are not re-bound, imported modules, and the candidate, whose calls get copies of
-    their arguments and return fresh values (the sandbox's promise), so `candidate(xs)` uses nothing of `xs`.
+    can change: built-ins that are not re-bound, and the candidate, whose calls get copies of their arguments and
+    return fresh values (the sandbox's promise), so `candidate(xs)` uses nothing of `xs`. Imported modules share
+    one state (the interpreter's), which any call may reach (`print` writes to `sys.stdout`, `logging.warning` to
+    its handlers): they count as stateless until a statement links one of them to a value of the test (`sys.stdout
+    = buffer`, `logging.basicConfig(stream=buffer)`, `rng = random.Random(1)`); from then on every call uses them.
     """
 
     def __init__(self, proxies: set[str], modules: set[str], statements: list[ast.stmt]):
-        self.proxies = set(proxies)
+        self.proxies, self.modules = set(proxies), set(modules)
         bound = set().union(*(_names(statement)[1] for statement in statements)) | self.proxies
-        self.stateless = {name for name in dir(builtins) if name not in bound} | self.proxies | set(modules)
+        self.builtins = {name for name in dir(builtins) if name not in bound}
         self.aliases: dict[str, set[str]] = {}
 
     def effects(self, statement: ast.stmt) -> tuple[set[str], set[str]]:
@@ -292,8 +295,12 @@ class _Flow:
         included; records the aliases the statement may create (call in statement order)."""
         reads, binds, changed, _ = _names(statement)
         for group in self._links(statement):
-            self._merge(group - self.stateless)
-        used = changed | (self._used(statement) - self.stateless)
+            self._merge(group - self.builtins - self.proxies)
+        used = self._used(statement)
+        if any(isinstance(node, ast.Call) and not self._calls_candidate(node) for node in ast.walk(statement)):
+            used |= self.modules  # any call may reach the modules' state
+        stateless = self.builtins | self.proxies | {name for name in self.modules if name not in self.aliases}
+        used = changed | (used - stateless)
         return reads, binds | set().union(*(self.aliases.get(name, {name}) for name in used))
 
     def _links(self, statement: ast.stmt) -> list[set[str]]:
@@ -336,6 +343,10 @@ class _Flow:
         return isinstance(node.func, ast.Name) and node.func.id in self.proxies
 
     def _merge(self, group: set[str]) -> None:
+        if not group - self.modules:  # modules among themselves: no value of the test involved
+            return
+        if group & self.modules:  # one module linked to a value links the modules' shared state
+            group = group | self.modules
         merged = set().union(*(self.aliases.get(name, {name}) for name in group))
         for name in merged:
             self.aliases[name] = merged
