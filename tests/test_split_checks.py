@@ -287,29 +287,37 @@ def test_a_name_a_match_case_captures_is_checked_in_the_test_of_the_match(body):
     assert _run_here(item, honest_square) == [True, True] and _run_here(item, wrong_square) == [True, False]
 
 
+BUFFER_CHECK = "assert out.getvalue() == '9\\n'"
 MODULE_STATE = {
-    "stdout": (
-        "import io, sys\nout = io.StringIO()\nsys.stdout = out",
-        "print(candidate(3))",
-    ),
+    "stdout": ("import io, sys\nout = io.StringIO()\nsys.stdout = out", "print(candidate(3))", BUFFER_CHECK),
     "logging_handler": (
         "import io, logging\nout = io.StringIO()\nlogger = logging.getLogger('comlrl-split-check-test')\n"
         "logger.propagate = False\nlogger.addHandler(logging.StreamHandler(out))",
         "logging.getLogger('comlrl-split-check-test').error(candidate(3))",
+        BUFFER_CHECK,
+    ),
+    "random_seed": (
+        "import random",
+        "random.seed(candidate(3))",
+        "assert random.random() == random.Random(9).random()",
+    ),
+    "imported_function": (
+        "from random import Random, seed, random as draw",
+        "seed(candidate(3))",
+        "assert draw() == Random(9).random()",
     ),
 }
 
 
 @pytest.mark.parametrize("channel", MODULE_STATE)
 def test_a_value_reached_through_module_state_is_checked_in_the_test_of_the_call(channel, monkeypatch):
-    """`print` writes to `sys.stdout`, a logger to its handlers: a call that names no test value may still
-    change one, once a module holds it."""
+    """`print` writes to `sys.stdout`, a logger to its handlers, `random.seed` sets the generator `random.random`
+    reads: a call that names no value of the test may still change what a later statement checks."""
     import logging
     import sys
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test
-    prep, call = MODULE_STATE[channel]
-    check = "assert out.getvalue() == '9\\n'"
+    prep, call, check = MODULE_STATE[channel]
     item = _variant("method", "direct", "inline")
     item["test"] = "def check(candidate):\n" + textwrap.indent(f"{prep}\n{LEADING_TEST}\n{call}\n{check}", "    ")
     try:

@@ -157,13 +157,14 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
     if context:
         setup.append(context)
     trusted = [*module, *(ast.parse(context).body if context else [])]
-    modules = {
-        alias.asname or alias.name.split(".")[0]
+    imports = {  # bound name: the module it comes from
+        alias.asname or alias.name.split(".")[0]: (node.module if isinstance(node, ast.ImportFrom) else alias.name)
+        or ""
         for node in ast.walk(ast.Module(body=[*trusted, *check.body], type_ignores=[]))
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     }
-    flow = _Flow({parameter, entry_point}, modules, [*trusted, *check.body])
+    flow = _Flow({parameter, entry_point}, imports, [*trusted, *check.body])
     split = _split_body(check.body, _tainted_names(trusted, {parameter, entry_point}, flow), flow)
     if split is None:  # the whole check is one test
         tests = ["\n".join(ast.unparse(statement) for statement in check.body)]
@@ -177,6 +178,14 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
 
 # Names through which code reads or binds variables by name at run time: with them, the data flow between the
 # statements of `check` cannot be read from the source.
+# Modules whose functions keep no state between calls (what they change is what they are given).
+_PURE_MODULES = frozenset(
+    {
+        "bisect", "cmath", "collections", "copy", "fractions", "functools", "heapq", "io", "itertools", "json",
+        "math", "operator", "re", "statistics", "string", "typing",
+    }
+)  # fmt: skip
+
 _DYNAMIC_NAMES = frozenset(
     {"globals", "locals", "vars", "exec", "eval", "compile", "__import__", "setattr", "delattr", "__builtins__"}
 )
@@ -279,27 +288,31 @@ class _Flow:
     call put one into the other, or a function or class reads the other. The exceptions hold no state the test
     can change: built-ins that are not re-bound, and the candidate, whose calls get copies of their arguments and
     return fresh values (the sandbox's promise), so `candidate(xs)` uses nothing of `xs`. Imported modules share
-    one state (the interpreter's), which any call may reach (`print` writes to `sys.stdout`, `logging.warning` to
-    its handlers): they count as stateless until a statement links one of them to a value of the test (`sys.stdout
-    = buffer`, `logging.basicConfig(stream=buffer)`, `rng = random.Random(1)`); from then on every call uses them.
+    one state (the interpreter's: `random`'s generator, `sys.stdout`, `logging`'s handlers), which any call may
+    reach (`print` writes to `sys.stdout`): every call uses it. Only the modules of `_PURE_MODULES`, whose
+    functions keep no state, are exempt, until the test stores a value in one (`math.held = out`) or uses the
+    module object itself as a value.
     """
 
-    def __init__(self, proxies: set[str], modules: set[str], statements: list[ast.stmt]):
-        self.proxies, self.modules = set(proxies), set(modules)
+    def __init__(self, proxies: set[str], imports: dict[str, str], statements: list[ast.stmt]):
+        self.proxies, self.modules = set(proxies), set(imports)
+        self.pure = {name for name, module in imports.items() if module.split(".")[0] in _PURE_MODULES}
         bound = set().union(*(_names(statement)[1] for statement in statements)) | self.proxies
         self.builtins = {name for name in dir(builtins) if name not in bound}
-        self.aliases: dict[str, set[str]] = {}
+        shared = self.modules - self.pure
+        self.aliases: dict[str, set[str]] = {name: shared for name in shared}  # one state
 
     def effects(self, statement: ast.stmt) -> tuple[set[str], set[str]]:
         """(names read, names possibly bound or changed) of `statement`, the aliases of every changed name
         included; records the aliases the statement may create (call in statement order)."""
         reads, binds, changed, _ = _names(statement)
+        through_attributes = self.pure - self._pure_modules_as_objects(statement)  # `math.floor(x)`
         for group in self._links(statement):
-            self._merge(group - self.builtins - self.proxies)
+            self._merge(group - self.builtins - self.proxies - through_attributes)
         used = self._used(statement)
         if any(isinstance(node, ast.Call) and not self._calls_candidate(node) for node in ast.walk(statement)):
-            used |= self.modules  # any call may reach the modules' state
-        stateless = self.builtins | self.proxies | {name for name in self.modules if name not in self.aliases}
+            used |= self.modules - self.pure  # any call may reach the modules' shared state
+        stateless = self.builtins | self.proxies | {name for name in self.pure if name not in self.aliases}
         used = changed | (used - stateless)
         return reads, binds | set().union(*(self.aliases.get(name, {name}) for name in used))
 
@@ -342,11 +355,23 @@ class _Flow:
     def _calls_candidate(self, node: ast.Call) -> bool:
         return isinstance(node.func, ast.Name) and node.func.id in self.proxies
 
+    def _pure_modules_as_objects(self, statement: ast.stmt) -> set[str]:
+        """The pure modules `statement` uses as objects (`box = [math]`, `math.held = out`), not only to read an
+        attribute (`math.floor(x)`, `math.pi`)."""
+        read_from = {
+            id(node.value)
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+        }
+        return {
+            node.id
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Name) and node.id in self.pure and id(node) not in read_from
+        }
+
     def _merge(self, group: set[str]) -> None:
         if not group - self.modules:  # modules among themselves: no value of the test involved
             return
-        if group & self.modules:  # one module linked to a value links the modules' shared state
-            group = group | self.modules
         merged = set().union(*(self.aliases.get(name, {name}) for name in group))
         for name in merged:
             self.aliases[name] = merged
