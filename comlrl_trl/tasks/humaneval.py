@@ -18,7 +18,8 @@ Any use of a value may change it (a call it is passed to, as an argument or as t
 the test defines, an operator of a class it defines, a generator it feeds), so every name a statement uses counts
 as changed, together with its aliases (names that may share its objects through an assignment, a loop, a call or
 a function reading them); only names passed as they are to the candidate (`candidate(xs)`: it gets a copy),
-unbound built-ins and modules are exempt.
+unbound built-ins and stateless modules (`math`, `re`, ...) are exempt. Other modules are one shared state that
+every call uses (`print` writes to `sys.stdout`, `random.seed` sets what `random.random` returns).
 Where this cannot be read from the source (`globals()`, `exec`, `global`, star imports in `check`), the whole body
 of `check` is one test. The other statements of `check` (imports, assignments such as `rng = random.Random(42)`)
 and the module level of `test` (`METADATA = ...`, imports) become trusted setup, together with the prompt's
