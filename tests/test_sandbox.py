@@ -1,6 +1,7 @@
 """The sandbox's integrity: reward-faking attacks score low, and the isolation holds (network, processes, memory,
 secrets, files). Each attack below scored the full reward with the old sandbox (issue 12)."""
 
+import json
 import os
 import secrets
 import socket
@@ -564,3 +565,39 @@ sandbox.run_python({SURVIVOR.format(tag=tag, marker=marker)!r}, ["survive()"], t
     while _live(tag, marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _live(tag, marker) == []
+
+
+# ----- every process a run starts is reaped (issue 55) -----
+
+SUBREAPER_RUNS = """
+import ctypes, json, os, sys, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")
+from comlrl_trl.tasks import sandbox
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: like a trainer that is PID 1
+code = "import os, time\\nfor _ in range(3):\\n    if os.fork() == 0:\\n        time.sleep(60)\\n"
+code += "def spin():\\n    while True:\\n        pass\\n"
+timed_out = sum(sandbox.run_python(code, ["spin()"], timeout={timeout}).timed_out for _ in range({runs}))
+me, left = os.getpid(), []
+for name in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{{name}}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        continue
+    if int(fields[1]) == me:
+        left.append((int(name), fields[0].decode()))
+print(json.dumps({{"timed_out": timed_out, "left": left}}))
+"""
+
+
+@ISOLATED
+def test_runs_that_hit_the_time_limit_leave_no_process_to_a_subreaper():
+    """A trainer that is PID 1 of a container or a child subreaper inherits every orphan of the run: after 50 runs
+    stopped at their time limit (each forked sleepers), it has no zombie and no live process left (each run used
+    to leave the namespace's PID 1 behind as a zombie)."""
+    script = SUBREAPER_RUNS.format(root=str(Path(sandbox.__file__).parents[2]), timeout=0.3, runs=50)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome == {"timed_out": 50, "left": []}

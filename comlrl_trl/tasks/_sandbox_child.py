@@ -5,16 +5,17 @@ requests on fd 0, replies on fd 1 (length-prefixed JSON, see `_sandbox_codec`) a
 reads any candidate code it:
 
 1. joins the run's cgroups, when the checker made them (memory and process count of the whole process tree);
-2. with `isolate`: enters a new PID namespace and forks; PID 1 enters new mount, network, IPC and UTS namespaces. The first process stays
-   outside the namespaces, runs no candidate code, waits and relays the exit status; on SIGTERM (the checker's
-   way to end the run, also its parent-death signal) it SIGKILLs PID 1, and the kernel kills every process of the
-   namespace with it, whatever they did to their parent-death signal, session or process group. The second is
-   PID 1 of the new PID namespace and gets the parent-death signal SIGKILL. It builds a new root: a read-only
-   tmpfs holding read-only, nosuid bind mounts of /usr (with the /bin, /lib, ... links), the Python standard
-   library and a few devices, with empty directories over every site-packages in it (installed packages and
-   their data are not needed: the child runs with -S), a fresh /proc, and a small writable tmpfs on /tmp, its
-   working directory. It chroots there, sets the resource limits and drops to the run's unprivileged uid, without
-   supplementary groups and with `no_new_privs`;
+2. with `isolate`: enters a new PID namespace and forks; PID 1 enters new mount, network, IPC and UTS namespaces.
+   The first process stays outside the namespaces, runs no candidate code, waits and relays the exit status; on
+   SIGTERM (the checker's way to end the run, also its parent-death signal) it SIGKILLs PID 1, and the kernel
+   kills every process of the namespace with it, whatever they did to their parent-death signal, session or
+   process group; it reaps PID 1 before it exits, so no zombie is left to the checker (which matters where the
+   trainer is PID 1 or a subreaper). The second is PID 1 of the new PID namespace and gets the parent-death
+   signal SIGKILL. It builds a new root: a read-only tmpfs holding read-only, nosuid bind mounts of /usr (with
+   the /bin, /lib, ... links), the Python standard library and a few devices, with empty directories over every
+   site-packages in it (installed packages and their data are not needed: the child runs with -S), a fresh
+   /proc, and a small writable tmpfs on /tmp, its working directory. It chroots there, sets the resource limits
+   and drops to the run's unprivileged uid, without supplementary groups and with `no_new_privs`;
 3. without `isolate`, or where the kernel refuses a new namespace (the fallback): forks; the first process is a
    `reaper`, a child subreaper on Linux (orphans of the run are re-parented to it, not to init) that kills every
    process below it when the server exits or SIGTERM arrives; the server sets the resource limits and disables
@@ -92,9 +93,9 @@ def enter_namespaces() -> int:
 
     The first process never returns and runs no candidate code: it waits for PID 1 and exits with its status; on
     SIGTERM (from the checker, or as its parent-death signal when the checker dies) it SIGKILLs PID 1, which makes
-    the kernel kill every process of the namespace. PID 1 runs the candidate code
-    and may clear its own parent-death signal or leave its session, but it cannot block a SIGKILL from its parent
-    namespace, nor signal its parent (another namespace, another uid)."""
+    the kernel kill every process of the namespace, and waits for PID 1 (reaped only once the others are). PID 1
+    runs the candidate code and may clear its own parent-death signal or leave its session, but it cannot block a
+    SIGKILL from its parent namespace, nor signal its parent (another namespace, another uid)."""
     _libc_call("unshare", CLONE_NEWPID)  # for the children; PID 1 makes the other namespaces (`private_namespaces`)
     lifeline, keep = os.pipe()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the handler below knows PID 1
@@ -102,7 +103,11 @@ def enter_namespaces() -> int:
     if pid:
 
         def end_run(*_):
-            os.kill(pid, signal.SIGKILL)  # cannot be blocked; the namespace's teardown goes on without waiting here
+            try:
+                os.kill(pid, signal.SIGKILL)  # cannot be blocked
+                os.waitpid(pid, 0)  # returns once the kernel has killed and reaped the whole namespace
+            except (ProcessLookupError, ChildProcessError):  # already reaped by the wait below
+                pass
             os._exit(1)
 
         signal.signal(signal.SIGTERM, end_run)
