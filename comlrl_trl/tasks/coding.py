@@ -9,6 +9,8 @@ import ast
 import operator
 import os
 import re
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,9 +24,63 @@ MAX_FEEDBACK_ERRORS = 3  # failing tests shown in a revision prompt
 MAX_FEEDBACK_CODE_CHARS = 600  # each code listing in a revision prompt is cut to this length
 MAX_FEEDBACK_ERROR_CHARS = 200  # each failing test in a revision prompt is cut to this length
 MAX_WORKERS = 8  # sandboxes run at once by `run_parallel`
+MAX_COMPLETION_CHARS = 100_000  # a longer completion is scored as one without code ("too long")
+MAX_PARSE_ATTEMPTS = 32  # prefixes `extract_code` tries to parse, at most
+MAX_AST_DEPTH = 100  # code nested deeper gets no structure bonus ("too deep"); real code stays far below
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+# ----- malformed code: why the analysis gave up -----
+
+_MALFORMED: Counter[str] = Counter()
+_MALFORMED_LOCK = threading.Lock()
+
+
+def malformed_counts() -> dict[str, int]:
+    """How often, since the process started, the analysis of model-written code in this process (`extract_code`,
+    `structure_bonus`) scored a completion as malformed, per reason: `"too long"`, `"too deep"`, or the error
+    that parsing or a walk of the code raised (`"SyntaxError"`, `"ValueError"` for NUL bytes, huge int literals
+    or lone surrogates, `"RecursionError"`, `"MemoryError"`). A metric to log; a reward never raises for them."""
+    with _MALFORMED_LOCK:
+        return dict(_MALFORMED)
+
+
+def _malformed(reason: str) -> None:
+    with _MALFORMED_LOCK:
+        _MALFORMED[reason] += 1
+
+
+# What `ast.parse` raises for hostile source text: bad syntax, NUL bytes, lone surrogates (UnicodeEncodeError)
+# and int literals over the digit limit (all ValueError), nesting beyond the parser's stack (RecursionError,
+# MemoryError).
+_PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
+
+
+def parse_bounded(code: str) -> tuple[ast.Module | None, str | None]:
+    """`(tree, None)` when `code` parses, is at most `MAX_COMPLETION_CHARS` long and nested at most
+    `MAX_AST_DEPTH` deep (so recursive walks of the tree stay short); else `(None, reason)`."""
+    if len(code) > MAX_COMPLETION_CHARS:
+        return None, "too long"
+    try:
+        tree = ast.parse(code)
+    except _PARSE_ERRORS as error:
+        return None, type(error).__name__
+    if _deeper_than(tree, MAX_AST_DEPTH):
+        return None, "too deep"
+    return tree, None
+
+
+def _deeper_than(tree: ast.AST, limit: int) -> bool:
+    """Whether `tree` has a node more than `limit` levels below its root (walked without recursion)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return False
 
 
 # ----- code extraction -----
@@ -40,9 +96,13 @@ def extract_code(completion: str) -> str:
     Markdown fences are stripped (the first fenced block that contains a `def`, else the first block; a block
     may be unterminated), then the text from the first line starting with `def` is kept, together with the
     import lines right above it. Trailing lines that keep the code from parsing (prose after the code, a cut-off
-    last statement) are dropped; if no prefix parses, the text is returned as is and the sandbox reports the
-    syntax error.
+    last statement) are dropped (from the line of the syntax error on, at most `MAX_PARSE_ATTEMPTS` tries); if no
+    prefix parses, the text is returned as is and the sandbox reports the syntax error. A completion longer than
+    `MAX_COMPLETION_CHARS` counts as one without code (reason "too long" in `malformed_counts`).
     """
+    if len(completion) > MAX_COMPLETION_CHARS:
+        _malformed("too long")
+        return ""
     text = completion.replace("\r\n", "\n")
     blocks = _FENCE.findall(text)
     if blocks:
@@ -59,20 +119,32 @@ def extract_code(completion: str) -> str:
     body = [
         line[len(indent) :] if line.startswith(indent) else line for line in text[match.start() :].rstrip().split("\n")
     ]
-    for end in range(len(body), 0, -1):  # the longest prefix that parses, always with the first `def`
+    end = len(body)
+    for _ in range(MAX_PARSE_ATTEMPTS):  # the longest prefix that parses, always with the first `def`
         code = "\n".join(imports + body[:end])
-        if parses(code):
+        error_line = _syntax_error_line(code)
+        if error_line is None:
             return code
+        end = min(end - 1, error_line - 1 - len(imports))  # a prefix that still holds that line fails there too
+        if end < 1:
+            break
     return "\n".join(imports + body)
 
 
 def parses(code: str) -> bool:
     """Whether `code` is syntactically valid Python."""
+    return _syntax_error_line(code) is None
+
+
+def _syntax_error_line(code: str) -> int | None:
+    """None when `code` parses, else the line of the error (past the end when unknown)."""
     try:
         ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return True
+    except SyntaxError as error:
+        return error.lineno or code.count("\n") + 2
+    except _PARSE_ERRORS:
+        return code.count("\n") + 2
+    return None
 
 
 # ----- joint program and structure bonus -----
@@ -88,23 +160,31 @@ def structure_bonus(main_code: str, entry_point: str) -> float:
     more if that function reachably calls the teammate's `aux`: the call is not in code that cannot run (`if
     False:`, after `return`, a loop over `[]`, an unused nested function, ...), `aux` is not a local name of the
     function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, `global`, or
-    the name in a string, or `exec`, `globals`, `setattr`, ...)."""
-    try:
-        tree = ast.parse(main_code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+    the name in a string, or `exec`, `globals`, `setattr`, ...).
+
+    Code that is malformed for the analysis (it does not parse, is longer than `MAX_COMPLETION_CHARS` or nested
+    deeper than `MAX_AST_DEPTH`) gets 0.0, with the reason counted in `malformed_counts`."""
+    tree, reason = parse_bounded(main_code)
+    if tree is None:
+        _malformed(reason)
         return 0.0
+    try:
+        return _structure_bonus(tree, entry_point)
+    except RecursionError:  # only where the caller's own stack is nearly full: the walks are MAX_AST_DEPTH deep
+        _malformed("RecursionError")
+        return 0.0
+
+
+def _structure_bonus(tree: ast.Module, entry_point: str) -> float:
     bindings = _top_level_bindings(tree)
     entry = bindings.get(entry_point)
     if not isinstance(entry, (ast.FunctionDef, ast.AsyncFunctionDef)) or entry not in tree.body:
         return 0.0  # not defined by a `def` at the top level (e.g. one under `if False:`), or re-bound later
-    try:
-        calls_helper = (
-            HELPER_NAME not in _local_names(entry)
-            and not _changes_attributes_of(tree, entry_point)  # e.g. its __code__ replaced
-            and _function_calls(entry, HELPER_NAME)
-        )
-    except RecursionError:
-        calls_helper = False
+    calls_helper = (
+        HELPER_NAME not in _local_names(entry)
+        and not _changes_attributes_of(tree, entry_point)  # e.g. its __code__ replaced
+        and _function_calls(entry, HELPER_NAME)
+    )
     defines_helper = HELPER_NAME in bindings or _binds_by_other_means(tree, HELPER_NAME)
     return STRUCTURE_BONUS + (STRUCTURE_BONUS if calls_helper and not defines_helper else 0.0)
 
@@ -354,8 +434,8 @@ def _empty(node: ast.expr) -> bool:
         and not node.keywords
     ):
         if 1 <= len(node.args) <= 2 and all(isinstance(a, ast.Constant) and type(a.value) is int for a in node.args):
-            bounds = [a.value for a in node.args]
-            return len(range(*bounds)) == 0
+            start, stop = (0, node.args[0].value) if len(node.args) == 1 else (node.args[0].value, node.args[1].value)
+            return stop <= start  # not len(range(...)): it overflows past sys.maxsize
     return False
 
 
@@ -374,11 +454,15 @@ def joint_rewards(
     run_tests: Callable[[str, str], SandboxResult],
 ) -> list[float]:
     """One reward per joint action: the fraction of tests `run_tests(helper_code, main_code)` passes, plus
-    `structure_bonus`. The programs run in parallel."""
-    helpers = [extract_code(text) for text in helper_completions]
-    mains = [extract_code(text) for text in main_completions]
-    results = run_parallel(lambda pair: run_tests(*pair), zip(helpers, mains))
-    return [result.pass_rate + structure_bonus(main, entry_point) for result, main in zip(results, mains)]
+    `structure_bonus`. The joint actions are scored in parallel, each in a worker thread: the analysis of
+    the code starts there on a fresh stack, whatever depth the trainer called from."""
+
+    def score(completions: tuple[str, str]) -> float:
+        helper, main = (extract_code(text) for text in completions)
+        result = run_tests(helper, main)
+        return result.pass_rate + structure_bonus(main, entry_point)
+
+    return run_parallel(score, zip(helper_completions, main_completions))
 
 
 # ----- prompts -----
