@@ -111,7 +111,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         if args.use_cpu and args.keep_freed_cpu_memory:
             keep_freed_cpu_memory()
         args.model_init_kwargs = one_device_loading(args.model_init_kwargs)  # no "auto" spread over every GPU
-        check_datasets(train_dataset, eval_dataset, default_formatters=formatters is None)
+        check_datasets(train_dataset, eval_dataset, formatters is None, args.eval_interval)
         validate_wandb_config(wandb_config)
         tokenizers = resolve_tokenizers(tokenizer, sources)
         peft_configs = per_agent(peft_config, n, "peft_config")
