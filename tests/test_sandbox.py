@@ -75,7 +75,7 @@ def _count_vowels_item():
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_reward_faking_attacks_score_low(attack):
     item = _count_vowels_item()
-    reward = task.reward([HELPER], [ATTACKS[attack]], batch_items=[item])[0]
+    reward = task.reward([HELPER], [ATTACKS[attack]], batch_items=[item], hidden_tests=False)[0]  # all 4 tests
     result = task.run_tests(HELPER, ATTACKS[attack], item["tests"])
     assert result.passed <= 1, result
     assert reward <= 0.25 + 2 * task.STRUCTURE_BONUS, reward  # the correct program gets 1.2
