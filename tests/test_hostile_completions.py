@@ -185,14 +185,15 @@ def _transition(task, item, helper, main):
 )
 def test_coding_rewards_and_transitions_return_numbers_and_prompts(task, item, fast_sandbox):
     """Every hostile source as both agents' completion, from a trainer-deep stack: one finite reward each (no
-    test passes: no `aux` is defined; the bonus is that of the code `extract_code` finds, where it dropped a
-    trailing line that does not parse), with the reasons counted, and two revision prompts per joint action."""
+    test passes and no `aux` is defined, so at most the entry-point bonus, for code that is well-formed once
+    `extract_code` dropped a trailing line that does not parse), with the reasons counted, and two revision prompts
+    per joint action."""
     sources = list(HOSTILE.values())
     item = dict(item, entry_point="f") if task is code_feedback else item
     before = sum(coding.malformed_counts().values())
     rewards = _at_depth(TRAINER_STACK, lambda: task.reward(sources, sources, batch_items=[item]))
     assert sum(coding.malformed_counts().values()) > before
-    expected = [structure_bonus(extract_code(source), "f") for source in sources]
+    expected = [structure_bonus(extract_code(source), "f", helper_ran=False) for source in sources]
     assert all(isinstance(value, float) and math.isfinite(value) for value in rewards)
     assert rewards == pytest.approx(expected)
     for source in sources:

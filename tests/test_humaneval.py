@@ -114,7 +114,7 @@ def test_helper_is_used_and_rewarded():
     )
     main = "def has_close_elements(numbers, threshold):\n    return aux(numbers, threshold)"
     assert _score(problem, main, helper) == pytest.approx(1.2)
-    assert _score(problem, main, "") == pytest.approx(0.2)  # aux undefined: every test fails
+    assert _score(problem, main, "") == pytest.approx(0.1)  # aux undefined: every test fails, no aux ran (issue 55)
     assert _score(problem, "", "") == 0.0
 
 

@@ -24,7 +24,8 @@ reads any candidate code it:
 
 Its first reply, written before any candidate code runs, says which of 2. and 3. holds. Then it executes the
 candidate code, reports the names it defines, and answers `call` requests with plain data. Everything after the
-first reply may be forged by the candidate code: the checker relies on none of it.
+first reply may be forged by the candidate code: the checker relies on none of it for the verdict; the one
+thing it takes from there is `Watch`'s evidence for the structure bonus (see there).
 """
 
 import ctypes
@@ -35,6 +36,7 @@ import select
 import signal
 import sys
 import time
+import types
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +62,10 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 DEVICES = ("null", "zero", "urandom", "random")
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or real directories
 MAX_MESSAGE_CHARS = 200
+CO_OPTIMIZED = 0x0001  # set for the code of functions, not for class bodies or modules
 _libc = ctypes.CDLL(None, use_errno=True)
+_settrace = sys.settrace  # taken before any candidate code runs, which may replace `sys.settrace`
+_FUNCTION = types.FunctionType  # and `types.FunctionType`
 
 
 # ----- isolation (trusted: runs before the candidate code) -----
@@ -372,16 +377,71 @@ def message(error: BaseException) -> str:
         return ""
 
 
-def load(code: str) -> tuple[dict, dict]:
-    """Execute the candidate code; returns its namespace and the report: errors and the names it defines."""
+class Watch:
+    """The evidence behind `run_python(..., watch=(caller, callee))`: whether a call of `caller` that the checker
+    asked for ran the program's own `def caller` (its code object, compiled here from the candidate's top-level
+    `def`, not a decorator's wrapper or a replaced `__code__`) and, inside it, the program's own `def callee` (not
+    a function re-bound to that name through `globals()`, a frame's `f_globals` or a star import).
+
+    A trace function (`sys.settrace`, taken before the candidate code loads) runs during such calls only, only
+    when the code of `caller` names `callee` at all, and only until `callee`'s code starts. The evidence is positive: code that removes the tracer, runs `callee` in another
+    thread or breaks the reply loses it. It is not proof against code written to forge it (this process runs the
+    candidate code, which can reach this object or write a reply of its own); the bonus it gates is small."""
+
+    def __init__(self, compiled: types.CodeType, caller: str, callee: str):
+        functions = [const for const in compiled.co_consts if isinstance(const, types.CodeType)]
+        functions = [code for code in functions if code.co_flags & CO_OPTIMIZED]
+        own_callers = [code for code in functions if code.co_name == caller]
+        self.caller = caller
+        self.caller_code = own_callers[-1] if own_callers else None  # the last `def caller`: the main agent's
+        if self.caller_code is not None and not _names(self.caller_code, callee):
+            self.caller_code = None  # it cannot call `callee` by name: nothing to trace
+        self.callee_codes = {id(code): code for code in functions if code.co_name == callee}
+        self.seen = False
+
+    def call(self, name: str, function, args: list, kwargs: dict):
+        """`function(*args, **kwargs)`, traced when it is the own `caller`; whether the own `callee` ran is kept."""
+        if name != self.caller or type(function) is not _FUNCTION or function.__code__ is not self.caller_code:
+            return function(*args, **kwargs)
+        ran = []
+
+        def trace(frame, event, arg):
+            if event == "call" and self.callee_codes.get(id(frame.f_code)) is frame.f_code:
+                ran.append(True)
+                _settrace(None)
+            return None
+
+        _settrace(trace)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _settrace(None)
+            self.seen = self.seen or bool(ran)
+
+
+def _names(code: types.CodeType, name: str) -> bool:
+    """Whether `code`, or a code object nested in it (a comprehension, lambda, inner function), uses `name`."""
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        if name in code.co_names:
+            return True
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return False
+
+
+def load(code: str, watch: list | None = None) -> tuple[dict, dict, Watch | None]:
+    """Execute the candidate code; returns its namespace, the report (errors and the names it defines) and, with
+    `watch` (`[caller, callee]`), the `Watch` of its calls."""
     namespace = {"__name__": "__sandbox__"}
     try:
         compiled = compile(code, "<candidate>", "exec")
     except SyntaxError as error:
         where = f" (line {error.lineno})" if error.lineno else ""
-        return namespace, {"syntax_error": f"SyntaxError: {error.msg}{where}"}
+        return namespace, {"syntax_error": f"SyntaxError: {error.msg}{where}"}, None
     except BaseException as error:  # e.g. null bytes in the source
-        return namespace, {"syntax_error": f"{type(error).__name__}: {message(error)}"}
+        return namespace, {"syntax_error": f"{type(error).__name__}: {message(error)}"}, None
+    watcher = Watch(compiled, *watch) if watch else None
     report = {"error": None, "functions": [], "values": {}}
     try:
         exec(compiled, namespace)
@@ -400,19 +460,23 @@ def load(code: str) -> tuple[dict, dict]:
             if size <= room:
                 room -= size
                 report["values"][name] = encoded
-    return namespace, report
+    return namespace, report, watcher
 
 
-def answer(namespace: dict, request: dict) -> dict:
+def answer(namespace: dict, request: dict, watcher: Watch | None = None) -> dict:
     try:
-        function = namespace[request["call"]]
+        name = request["call"]
+        function = namespace[name]
         args = [codec.decode(value) for value in request["args"]]
         kwargs = {key: codec.decode(value) for key, value in request["kwargs"].items()}
-        reply = {"value": codec.encode(function(*args, **kwargs))}
+        value = watcher.call(name, function, args, kwargs) if watcher else function(*args, **kwargs)
+        reply = {"value": codec.encode(value)}
         codec.frame(reply, codec.MAX_REPLY_BYTES)  # too large to send?
-        return reply
     except BaseException as error:
-        return {"raise": [type(error).__name__, message(error)]}
+        reply = {"raise": [type(error).__name__, message(error)]}
+    if watcher is not None and watcher.seen:
+        reply["watched"] = True
+    return reply
 
 
 def main() -> None:
@@ -426,14 +490,15 @@ def main() -> None:
     if isolation.startswith("failed"):
         os._exit(1)
     sys.stdout = sys.stderr = Sink()
-    namespace, report = load(receive(requests)["code"])
+    request = receive(requests)
+    namespace, report, watcher = load(request["code"], request.get("watch"))
     send(replies, report)
     while True:
         try:
             request = receive(requests)
         except EOFError:
             os._exit(0)
-        send(replies, answer(namespace, request))
+        send(replies, answer(namespace, request, watcher))
 
 
 if __name__ == "__main__":

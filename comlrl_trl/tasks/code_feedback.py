@@ -29,7 +29,8 @@ repository or these tests, no network, cgroup limits, no process outliving the r
 to run it unless `COMLRL_SANDBOX_ALLOW_UNISOLATED=1` is set (see `sandbox.py`, 'Fallback'). Kernel exploits and CPU
 side channels are not covered. The structure bonus is computed from the source text here (only reachable calls of
 `aux` count, any top-level binding of `aux` by the main agent cancels the call bonus, and the entry point must be
-defined under its exact name), so it cannot be faked at run time, only earned by the code's shape.
+defined under its exact name) and, for the call bonus, from what ran: the tests' call of the entry point must be
+the main agent's own `def` and must run the helper agent's own `aux` (see `docs/sandbox.md`).
 
 Between turns, `transition` runs the shown tests again and gives each agent a revision prompt with the test results
 (the first failing tests, with the values obtained, quoted as escaped single lines in a `~~~text` block), its own
@@ -306,16 +307,18 @@ def validated_hidden_tests(hidden_tests: bool) -> bool:
     return hidden_tests
 
 
-def run_tests(helper_code: str, main_code: str, tests: Sequence[str]) -> SandboxResult:
-    """Run `tests` against the joint program (cached: the reward and the transition see the same programs)."""
-    return _run_cached(joint_program(helper_code, main_code), tuple(tests))
+def run_tests(helper_code: str, main_code: str, tests: Sequence[str], entry_point: str | None = None) -> SandboxResult:
+    """Run `tests` against the joint program (cached: the reward and the transition see the same programs); with
+    `entry_point`, the run also says whether it called the teammate's own `aux` (`SandboxResult.watched`)."""
+    watch = None if entry_point is None else (entry_point, HELPER_NAME)
+    return _run_cached(joint_program(helper_code, main_code), tuple(tests), watch)
 
 
 @functools.lru_cache(maxsize=4096)
-def _run_cached(program: str, tests: tuple[str, ...]) -> SandboxResult:
+def _run_cached(program: str, tests: tuple[str, ...], watch: tuple[str, str] | None = None) -> SandboxResult:
     if not program.strip():
         return SandboxResult(0, len(tests), ["No code: neither agent wrote a function definition"])
-    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT)
+    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT, watch=watch)
 
 
 def reward(
@@ -335,7 +338,7 @@ def reward(
         helper_completions,
         main_completions,
         item["entry_point"],
-        lambda helper, main: run_tests(helper, main, tests),
+        lambda helper, main: run_tests(helper, main, tests, item["entry_point"]),
     )
 
 

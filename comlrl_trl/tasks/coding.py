@@ -155,12 +155,14 @@ def joint_program(*parts: str) -> str:
     return "\n\n".join(part.strip("\n") for part in parts if part.strip()) + "\n"
 
 
-def structure_bonus(main_code: str, entry_point: str) -> float:
+def structure_bonus(main_code: str, entry_point: str, helper_ran: bool | None = None) -> float:
     """+0.1 if `main_code` defines `entry_point` (its last binding of that exact name is a top-level `def`), +0.1
     more if that function reachably calls the teammate's `aux`: the call is not in code that cannot run (`if
     False:`, after `return`, a loop over `[]`, an unused nested function, ...), `aux` is not a local name of the
-    function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, `global`, or
-    the name in a string, or `exec`, `globals`, `setattr`, ...).
+    function, and `main_code` does not bind `aux` at the top level itself (`def`, assignment, import, star import,
+    `global`, or the name in a string, or `exec`, `globals`, `setattr`, ...); and, where the run gave evidence
+    (`helper_ran`, see `SandboxResult.watched`), the tests called the program's own `entry_point` and that call ran
+    the teammate's own `aux`.
 
     Code that is malformed for the analysis (it does not parse, is longer than `MAX_COMPLETION_CHARS` or nested
     deeper than `MAX_AST_DEPTH`) gets 0.0, with the reason counted in `malformed_counts`."""
@@ -169,19 +171,20 @@ def structure_bonus(main_code: str, entry_point: str) -> float:
         _malformed(reason)
         return 0.0
     try:
-        return _structure_bonus(tree, entry_point)
+        return _structure_bonus(tree, entry_point, helper_ran is not False)
     except RecursionError:  # only where the caller's own stack is nearly full: the walks are MAX_AST_DEPTH deep
         _malformed("RecursionError")
         return 0.0
 
 
-def _structure_bonus(tree: ast.Module, entry_point: str) -> float:
+def _structure_bonus(tree: ast.Module, entry_point: str, helper_may_have_run: bool) -> float:
     bindings = _top_level_bindings(tree)
     entry = bindings.get(entry_point)
     if not isinstance(entry, (ast.FunctionDef, ast.AsyncFunctionDef)) or entry not in tree.body:
         return 0.0  # not defined by a `def` at the top level (e.g. one under `if False:`), or re-bound later
     calls_helper = (
-        HELPER_NAME not in _local_names(entry)
+        helper_may_have_run
+        and HELPER_NAME not in _local_names(entry)
         and not _changes_attributes_of(tree, entry_point)  # e.g. its __code__ replaced
         and _function_calls(entry, HELPER_NAME)
     )
@@ -231,9 +234,11 @@ _DYNAMIC_BINDERS = frozenset({"exec", "eval", "compile", "globals", "vars", "set
 
 def _binds_by_other_means(tree: ast.Module, name: str) -> bool:
     """Whether the code may bind `name` globally other than by a top-level statement: `global name` in a function,
-    an attribute of that name assigned (`builtins.aux = ...`), the name in a string (`globals()["aux"]`), or any
-    use of `exec`, `eval`, `globals`, `setattr`, ... (which can bind a name built at run time)."""
+    an attribute of that name assigned (`builtins.aux = ...`), the name in a string (`globals()["aux"]`), a star
+    import, or any use of `exec`, `eval`, `globals`, `setattr`, ... (which can bind a name built at run time)."""
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+            return True
         if isinstance(node, ast.Name) and node.id in _DYNAMIC_BINDERS:
             return True
         if isinstance(node, ast.Global) and name in node.names:
@@ -454,13 +459,14 @@ def joint_rewards(
     run_tests: Callable[[str, str], SandboxResult],
 ) -> list[float]:
     """One reward per joint action: the fraction of tests `run_tests(helper_code, main_code)` passes, plus
-    `structure_bonus`. The joint actions are scored in parallel, each in a worker thread: the analysis of
+    `structure_bonus` (with the run's evidence of what the entry point called, where `run_tests` watched it:
+    `SandboxResult.watched`). The joint actions are scored in parallel, each in a worker thread: the analysis of
     the code starts there on a fresh stack, whatever depth the trainer called from."""
 
     def score(completions: tuple[str, str]) -> float:
         helper, main = (extract_code(text) for text in completions)
         result = run_tests(helper, main)
-        return result.pass_rate + structure_bonus(main, entry_point)
+        return result.pass_rate + structure_bonus(main, entry_point, result.watched)
 
     return run_parallel(score, zip(helper_completions, main_completions))
 

@@ -434,12 +434,12 @@ def run_tests(item: dict[str, Any], *codes: str, part: Literal["all", "shown", "
             0, len(tests), ["No code: no function definition was written"], test_passed=[False] * len(tests)
         )
     program = joint_program(prompt_context(item["prompt"], item["entry_point"]), *codes)
-    return _run_cached(program, tests, setup)
+    return _run_cached(program, tests, setup, (item["entry_point"], HELPER_NAME))  # watched: see structure_bonus
 
 
 @functools.lru_cache(maxsize=4096)
-def _run_cached(program: str, tests: tuple[str, ...], setup: str) -> SandboxResult:
-    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT, setup=setup)
+def _run_cached(program: str, tests: tuple[str, ...], setup: str, watch: tuple[str, str]) -> SandboxResult:
+    return run_python(program, list(tests), timeout=SANDBOX_TIMEOUT, setup=setup, watch=watch)
 
 
 # ----- prompts -----

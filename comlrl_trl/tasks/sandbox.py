@@ -15,7 +15,10 @@
   is bounded (1 MiB per reply, decoded in at most 0.25 s, ints of at most 4300 digits, 5000 set elements and dict
   keys, at most 32 of them sharing a hash), but keep the tests' own work on it cheap. Error messages are single
   printable lines (`printable`), safe to put into a prompt.
-* **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls.
+* **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls. With
+  `watch=(caller, callee)` it also says whether a call of `caller` ran the program's own `def callee`
+  (`SandboxResult.watched`): evidence for the structure bonus of the coding tasks, from the candidate's own
+  process, so positive only and not forgery-proof (see `_sandbox_child.Watch`); the verdict never uses it.
 
 Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
 (running the candidate code again). `timeout` bounds the whole run (wall clock); when it runs out, the child is
@@ -100,6 +103,10 @@ class SandboxResult:
     errors: list[str] = field(default_factory=list)
     timed_out: bool = False
     test_passed: list[bool] = field(default_factory=list)  # one entry per test, in order (empty when none ran)
+    # With `run_python(..., watch=(caller, callee))`: whether a test called the program's own top-level `def caller`
+    # (not a function that replaced it) and that call ran the program's own top-level `def callee`; None without
+    # `watch`. Positive evidence from the child (see `_sandbox_child.Watch` for what it can and cannot prove).
+    watched: bool | None = None
 
     @property
     def pass_rate(self) -> float:
@@ -132,6 +139,7 @@ def run_python(
     memory_mb: int = 256,
     setup: str = "",
     allow_unisolated: bool = False,
+    watch: tuple[str, str] | None = None,
 ) -> SandboxResult:
     """Load `code` in an isolated child, then run each test in `tests` (Python statements) against it.
 
@@ -150,6 +158,8 @@ def run_python(
         allow_unisolated: where the namespace isolation is not available (see `isolation_mode`), run the code anyway
             with the fallback's weaker protection; by default `UnisolatedError` is raised instead, unless the
             environment variable `COMLRL_SANDBOX_ALLOW_UNISOLATED=1` is set.
+        watch: `(caller, callee)`, two function names: the child traces the tests' calls of `caller` and reports
+            whether `callee` ran in one of them, both as the code's own top-level `def`s (`SandboxResult.watched`).
 
     Returns:
         A `SandboxResult`. A syntax error gives `passed=0` and the error text; an error while executing `code` is
@@ -164,25 +174,29 @@ def run_python(
     >>> run_python("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(3) == 7"]).passed
     1
     """
-    tests = _validate(code, tests, timeout, memory_mb, setup)
+    tests = _validate(code, tests, timeout, memory_mb, setup, watch)
     allow_unisolated = allow_unisolated or os.environ.get(ALLOW_UNISOLATED_ENV) == "1"
     if _disabled_reason():
         _check_unisolated_allowed(allow_unisolated)
     total = len(tests)
-    with _Session(code, timeout, memory_mb, allow_unisolated) as session:
+    watched = None if watch is None else False
+    with _Session(code, timeout, memory_mb, allow_unisolated, watch) as session:
         try:
             report = session.load()
         except _Timeout:
-            return SandboxResult(0, total, [_timeout_message(timeout)], timed_out=True, test_passed=[False] * total)
+            return SandboxResult(0, total, [_timeout_message(timeout)], True, [False] * total, watched)
         except _Crash as crash:
-            return SandboxResult(0, total, [_short(printable(str(crash)))], test_passed=[False] * total)
+            return SandboxResult(0, total, [_short(printable(str(crash)))], False, [False] * total, watched)
         if report["syntax_error"] is not None:
-            return SandboxResult(0, total, [_short(printable(report["syntax_error"]))], test_passed=[False] * total)
+            errors = [_short(printable(report["syntax_error"]))]
+            return SandboxResult(0, total, errors, False, [False] * total, watched)
         errors = [report["error"]] if report["error"] else []
         namespace = _namespace(session, report)
         outcomes, timed_out = _run_tests(tests, setup, namespace, errors, timeout)
+        if watch is not None:
+            watched = session.watched
     errors = [_short(printable(error)) for error in errors[:MAX_ERRORS]]
-    return SandboxResult(sum(outcomes), total, errors, timed_out=timed_out, test_passed=outcomes)
+    return SandboxResult(sum(outcomes), total, errors, timed_out, outcomes, watched)
 
 
 def isolation_mode() -> str:
@@ -201,7 +215,11 @@ def printable(text: str, keep: str = "") -> str:
     return "".join(char if char.isprintable() or char in keep else ascii(char)[1:-1] for char in text)
 
 
-def _validate(code, tests, timeout, memory_mb, setup) -> list[str]:
+def _validate(code, tests, timeout, memory_mb, setup, watch) -> list[str]:
+    if watch is not None and not (
+        isinstance(watch, tuple) and len(watch) == 2 and all(isinstance(name, str) for name in watch)
+    ):
+        raise TypeError(f"watch must be None or a pair of function names, got {watch!r}.")
     if not isinstance(code, str):
         raise TypeError(f"code must be a string, got {type(code).__name__}.")
     if not isinstance(setup, str):
@@ -366,9 +384,11 @@ def _short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 class _Session:
     """The child processes of one run: (re)starts the child with the candidate code and forwards calls to it."""
 
-    def __init__(self, code: str, timeout: float, memory_mb: int, allow_unisolated: bool):
+    def __init__(self, code: str, timeout: float, memory_mb: int, allow_unisolated: bool, watch=None):
         self.code, self.timeout, self.memory_mb = code, timeout, memory_mb
         self.allow_unisolated = allow_unisolated
+        self.watch = watch
+        self.watched = False  # a reply said: the watched caller ran the watched callee
         self.deadline = time.monotonic() + timeout
         self.child: _Child | None = None
         self.cgroup = RunCgroup.create(int(memory_mb) << 20, MAX_PROCESSES)
@@ -398,7 +418,7 @@ class _Session:
                 _check_unisolated_allowed(self.allow_unisolated)
                 return self.load()  # the kernel allowed the namespaces but not the rest: run unisolated
             _warn_unisolated()
-        self.child.send({"code": self.code})
+        self.child.send({"code": self.code, "watch": list(self.watch) if self.watch else None})
         try:
             return _load_report(self.child.receive())
         except ValueError as error:
@@ -418,13 +438,15 @@ class _Session:
             self.load()
         try:
             self.child.send(request)
-            returned, raised = _reply(self.child.receive())
+            reply = self.child.receive()
+            returned, raised = _reply(reply)
         except ValueError as error:
             self._stop()
             raise _Crash(f"Crash: invalid reply from the program ({error})") from None
         except (_Timeout, _Crash):
             self._stop()
             raise
+        self.watched = self.watched or (self.watch is not None and reply.get("watched") is True)
         if raised is not None:
             raise raised
         return returned
