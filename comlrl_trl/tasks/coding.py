@@ -300,6 +300,7 @@ class _Reach:
 
     def __init__(self, name: str, used: set[str]):
         self.name, self.used = name, used
+        self.truths: dict[ast.expr, bool | None] = {}  # `_truth` of each condition met, so nesting costs no more
 
     def block(self, statements: list[ast.stmt]) -> bool:
         for statement in statements:
@@ -311,7 +312,7 @@ class _Reach:
 
     def statement(self, node: ast.stmt) -> bool:
         if isinstance(node, (ast.If, ast.While)):
-            truth = _truth(node.test)
+            truth = _truth(node.test, self.truths)
             if self.expression(node.test):
                 return True
             return (truth is not False and self.block(node.body)) or (truth is not True and self.block(node.orelse))
@@ -356,7 +357,7 @@ class _Reach:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == self.name:
             return True
         if isinstance(node, ast.IfExp):
-            truth = _truth(node.test)
+            truth = _truth(node.test, self.truths)
             return (
                 self.expression(node.test)
                 or (truth is not False and self.expression(node.body))
@@ -366,14 +367,14 @@ class _Reach:
             for value in node.values:
                 if self.expression(value):
                     return True
-                truth = _truth(value)
+                truth = _truth(value, self.truths)
                 if truth is not None and truth == isinstance(node.op, ast.Or):  # short-circuits here
                     return False
             return False
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
             if self.expression(node.generators[0].iter):
                 return True
-            if any(_empty(g.iter) or any(_truth(c) is False for c in g.ifs) for g in node.generators):
+            if any(_empty(g.iter) or any(_truth(c, self.truths) is False for c in g.ifs) for g in node.generators):
                 return False
             parts = [*(g.iter for g in node.generators[1:]), *(c for g in node.generators for c in g.ifs)]
             parts += [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
@@ -384,19 +385,26 @@ class _Reach:
         return any(self.expression(child) for child in children if isinstance(child, ast.expr))
 
 
-def _truth(node: ast.expr) -> bool | None:
-    """The truth value of a condition made of constants (`False`, `0`, `not True`, `1 == 2`, `[]`), else None."""
+def _truth(node: ast.expr, known: dict[ast.expr, bool | None]) -> bool | None:
+    """The truth value of a condition made of constants (`False`, `0`, `not True`, `1 == 2`, `[]`), else None.
+    `known` holds the values already worked out (nested conditions are asked for again at every level)."""
+    if node not in known:
+        known[node] = _truth_of(node, known)
+    return known[node]
+
+
+def _truth_of(node: ast.expr, known: dict[ast.expr, bool | None]) -> bool | None:
     if isinstance(node, ast.Constant):
         return bool(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        inner = _truth(node.operand)
+        inner = _truth(node.operand, known)
         return None if inner is None else not inner
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return bool(node.elts)
     if isinstance(node, ast.Dict):
         return bool(node.keys)
     if isinstance(node, ast.BoolOp):
-        truths = [_truth(value) for value in node.values]
+        truths = [_truth(value, known) for value in node.values]
         if isinstance(node.op, ast.And):
             return False if False in truths else (True if all(t is True for t in truths) else None)
         return True if True in truths else (False if all(t is False for t in truths) else None)
