@@ -99,6 +99,30 @@ def test_increasing_epochs_on_resume_runs_only_the_new_ones(qwen_path, make_conf
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
 
+def test_a_run_stopped_inside_an_epoch_names_its_checkpoint_after_that_epoch(qwen_path, make_config, tmp_path, caplog):
+    """checkpoint-N: N is the epoch the checkpoint was taken in, counted from 1 (4 updates per epoch here)."""
+    _trainer(qwen_path, make_config, 3, config=dict(max_steps=2)).train(checkpoint_dir=tmp_path / "a")
+    assert os.listdir(tmp_path / "a") == ["checkpoint-1"]  # 2 of epoch 1's 4 updates (it was checkpoint-0)
+    assert read_checkpoint_metadata(tmp_path / "a" / "checkpoint-1")["global_step"] == 2
+    _trainer(qwen_path, make_config, 3, config=dict(max_steps=6)).train(checkpoint_dir=tmp_path / "b")
+    assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint-1", "checkpoint-2"]  # epoch 1's end, step 6 in epoch 2
+    resumed = _trainer(qwen_path, make_config, 1)
+    with caplog.at_level("WARNING"):
+        resumed.train(resume_from_checkpoint=True, checkpoint_dir=tmp_path / "a")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Resuming from")]
+    assert said == [f"Resuming from {tmp_path / 'a' / 'checkpoint-1'} at step 2 (epoch 0.5 of 1)."]
+    assert os.listdir(tmp_path / "a") == ["checkpoint-1"]  # epoch 1 completed: the same run's checkpoint-1, replaced
+    assert read_checkpoint_metadata(tmp_path / "a" / "checkpoint-1")["global_step"] == 4
+
+
+def test_logging_steps_counts_optimiser_updates(qwen_path, make_config, tmp_path):
+    """As in TRL: a log every logging_steps-th update (and the first); each update here scores 2 joint actions."""
+    trainer = _trainer(qwen_path, make_config, 2, config=dict(logging_steps=3))
+    trainer.train()
+    logged = [(row["step"], row["env_step"]) for row in trainer.state.log_history if "agent_0/loss" in row]
+    assert logged == [(1, 2), (3, 6), (6, 12)]  # counting env_step, it logged at steps 1, 3, 5, 7
+
+
 def test_total_limit_keeps_the_newest(qwen_path, make_config, tmp_path):
     _trainer(qwen_path, make_config, 3).train(checkpoint_dir=tmp_path / "ckpt", checkpoint_total_limit=1)
     assert os.listdir(tmp_path / "ckpt") == ["checkpoint-3"]
@@ -253,7 +277,7 @@ def test_trl_save_strategy_with_lora_agents(qwen_path, make_config, tmp_path):
         qwen_path, make_config, 2, peft_config=lora, config=dict(max_steps=5, eval_interval=0, **settings)
     )
     interrupted.train()
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-3", "checkpoint-5"]  # rotation keeps two
+    assert sorted(n for n in os.listdir(tmp_path / "out") if not n.startswith(".")) == ["checkpoint-3", "checkpoint-5"]
     adapter = tmp_path / "out" / "checkpoint-5" / "agent_1"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "optimizer.pt").is_file()
     resumed = _trainer(qwen_path, make_config, 2, peft_config=lora, config=dict(eval_interval=0, **settings))

@@ -50,16 +50,16 @@ def test_every_agent_changes_and_metrics_are_logged(qwen_path, prompts_dataset, 
     assert last["loss"] == pytest.approx(last["agent_0/loss"] + last["agent_1/loss"], abs=1e-6)
 
 
-def test_logging_steps_is_a_minimum_env_step_gap(qwen_path, prompts_dataset, make_config):
+def test_logging_steps_counts_optimiser_updates_as_in_trl(qwen_path, prompts_dataset, make_config):
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,
         reward_func=length_ratio_reward,
         train_dataset=prompts_dataset,
-        args=make_config(logging_steps=10),
+        args=make_config(logging_steps=3),
     )
     trainer.train()
-    steps = [row["env_step"] for row in train_logs(trainer)]
-    assert steps == [4, 16, 28]  # the first step logs; env_step grows by 4 per item; a log needs a gap >= 10
+    steps = [(row["step"], row["env_step"]) for row in train_logs(trainer)]
+    assert steps == [(1, 4), (3, 12), (6, 24)]  # the first update, then every 3rd; env_step grows by 4 per update
 
 
 def test_reward_is_called_once_per_item_with_the_item(qwen_path, prompts_dataset, make_config):

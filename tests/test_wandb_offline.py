@@ -145,8 +145,8 @@ def _datasets(n_train):
 def test_offline_run_records_metrics_identity_and_config(offline_wandb, qwen_path, make_config):
     tmp_path = offline_wandb
     train, eval_ = _datasets(6)
-    # K=2: every task item adds 2 env steps, so logging_steps=4 must skip every other optimiser step after the
-    # first, which always logs.
+    # K=2: every task item (one optimiser update) adds 2 env steps; logging_steps=4 logs the first update and every
+    # 4th (env_step 2 and 8).
     config = make_config(num_generations=2, logging_steps=4, eval_interval=2, eval_num_samples=2)
     wandb_config = {
         "project": "comlrl-test",

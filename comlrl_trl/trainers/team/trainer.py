@@ -50,7 +50,7 @@ from ...inputs import (
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
-from ...loading import is_peft_model, one_device_loading
+from ...loading import check_model_source, is_peft_model, one_device_loading
 from ...orchestrator import JointRolloutOrchestrator
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
@@ -99,6 +99,8 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             raise TypeError(f"args must be a {name} (or a subclass), got {type(args).__name__}.")
         check_metrics_hooks(type(self).__name__, self.metrics_hooks, eval_logger, eval_aggregator, metrics_callback)
         sources = resolve_agent_sources(agent_model, agents, num_agents, args)
+        for i, source in enumerate(sources):  # a clear error for a path that is no model, before any loading
+            check_model_source(source, "agent_model" if agents is None else f"agents[{i}]")
         n = len(sources)
         if args is None:
             args = self.default_config_cls(num_agents=n)
@@ -345,10 +347,12 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 `args.output_dir`). The trainer must be compatible: same class, agents, model shapes, tokenizers,
                 `num_generations`, `joint_mode` and `num_turns`; `num_train_epochs` may be larger.
             checkpoint_dir (`str`, *optional*):
-                Save a checkpoint into `checkpoint_dir/checkpoint-{epochs completed}` at every
-                `checkpoint_interval`-th completed epoch and at the end. Without it (and with
+                Save a checkpoint into `checkpoint_dir/checkpoint-N` at every `checkpoint_interval`-th completed
+                epoch and at the end, N being the epoch it was taken in, counted from 1: `checkpoint-1`,
+                `checkpoint-2`, ... at the end of each epoch; a run that stops inside epoch N (`max_steps`) saves
+                `checkpoint-N`, and a resumed run that completes epoch N replaces it. Without it (and with
                 `args.save_strategy="no"`), no checkpoint is written. TRL's `save_strategy`/`save_steps` also
-                work and save into `args.output_dir/checkpoint-{global step}`.
+                work and save into `args.output_dir/checkpoint-{global step}`, as TRL names them.
             checkpoint_total_limit (`int`, *optional*):
                 Keep only this many of this run's newest checkpoints in `checkpoint_dir`.
         """
@@ -365,7 +369,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
             with _long_lived_objects_frozen():
                 output = self._run_epochs(resume, trial)
             if self._checkpoint_dir is not None and self._last_saved_step != self.state.global_step:
-                self.checkpoint_sequence += 1  # a final save after a run that stopped between epoch boundaries
+                self.checkpoint_sequence = self.checkpoint_epoch()  # a run stopped inside an epoch (a callback)
                 self.save_checkpoint(trial)
         finally:
             self.is_in_train = False
@@ -381,6 +385,8 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         dataloader = self.get_train_dataloader()
         plan = self.training_plan(dataloader)
         first_epoch, skip = self.start_training_state(plan, resume, trial)
+        if resume is not None:
+            self._announce_resume(resume)
         self._prepare_agents(plan, resume)
         self.callback_handler.train_dataloader = dataloader
         self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
@@ -438,7 +444,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         for agent in agents:
             agent.state.global_step, agent.state.epoch = self.state.global_step, epoch
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-        self._gate_logging_on_env_steps()
+        self._log_first_update()
         self._log_save_evaluate(trial)
 
     def generation_step(self, rows: list[dict[str, Any]]) -> None:
@@ -483,22 +489,28 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         self._last_logged_global_step = self.state.global_step
         self._train_loss_sum = 0.0
 
-    def _gate_logging_on_env_steps(self) -> None:
-        """With `logging_strategy="steps"`, `logging_steps` counts environment steps (CoMLRL's), not updates; the first
-        update always logs, so that a run shorter than `logging_steps` still reports its rewards."""
-        if self.args.logging_strategy == "steps":
-            gap = self.env_step - self._last_logged_env_step
-            self.control.should_log = gap >= self.args.logging_steps or self.state.global_step == 1
+    def _log_first_update(self) -> None:
+        """With `logging_strategy="steps"`, `logging_steps` counts optimiser updates (`global_step`), as in TRL:
+        transformers' `DefaultFlowCallback` logs every `logging_steps`-th update. The first update always logs too,
+        so that a run shorter than `logging_steps` still reports its rewards."""
+        if self.args.logging_strategy == "steps" and self.state.global_step == 1:
+            self.control.should_log = True
 
     def _save_at_epoch_end(self) -> None:
         """`train(checkpoint_dir=...)`: a checkpoint at every `checkpoint_interval`-th epoch and at the end, with the
-        metrics flushed first, so that a resumed run logs exactly the same."""
+        metrics flushed first, so that a resumed run logs exactly the same. It is named after the epoch it was taken
+        in, counted from 1 (`checkpoint_epoch`)."""
         if self._checkpoint_dir is None:
             return
-        self.checkpoint_sequence = round(self.state.epoch)
+        self.checkpoint_sequence = self.checkpoint_epoch()
         if self.checkpoint_sequence % self._checkpoint_interval == 0 or self.state.global_step >= self.state.max_steps:
             self.control.should_save = True
             self.control.should_log = True
+
+    def checkpoint_epoch(self) -> int:
+        """N of `checkpoint_dir/checkpoint-N`: the epoch the run is in, counted from 1 (at an epoch's end, the epochs
+        completed; a run stopped inside its second epoch by `max_steps` saves `checkpoint-2`)."""
+        return max(math.ceil(round(self.state.epoch, 6)), 1)
 
     def _log_save_evaluate(self, trial) -> None:
         if self.control.should_log and self.state.global_step > self._last_logged_global_step:
