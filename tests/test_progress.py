@@ -69,6 +69,7 @@ def test_a_failed_train_closes_the_progress_bar(qwen_path, prompts_dataset, make
 
 _CHATTY_RUN = """
 import sys
+import warnings
 from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -78,6 +79,7 @@ class Chatty(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         logging.get_logger("comlrl_trl.probe").warning("a log line at step %d", state.global_step)
         logging.get_logger("transformers.probe").warning("a transformers line at step %d", state.global_step)
+        warnings.warn(f"a Python warning at step {state.global_step}", UserWarning, stacklevel=1)
 
 MAGRPOTrainer(
     agent_model=sys.argv[1],
@@ -91,8 +93,9 @@ MAGRPOTrainer(
 
 
 def test_log_lines_are_written_above_the_bar_never_glued_to_it(qwen_path, tmp_path):
-    """While the bar is open, the messages of Python's and transformers' loggers go through tqdm.write: in a real
-    run's stderr each one stands alone after the bar's last carriage return, never appended to a bar line."""
+    """While the bar is open, the messages of Python's and transformers' loggers and Python's warnings go through
+    tqdm.write: in a real run's stderr each one stands alone after the bar's last carriage return, never appended to
+    a bar line."""
     import os
     import subprocess
     import sys
@@ -106,9 +109,10 @@ def test_log_lines_are_written_above_the_bar_never_glued_to_it(qwen_path, tmp_pa
     )
     assert run.returncode == 0, run.stderr[-2000:]
     segments = [part for line in (run.stderr + run.stdout).split("\n") for part in line.split("\r")]
-    glued = [part for part in segments if part.startswith("training:") and "line at step" in part]
+    glued = [part for part in segments if part.startswith("training:") and " at step " in part]
     assert glued == []
     for step in (1, 2, 3):
         assert f"a log line at step {step}" in segments
         assert any(part.endswith(f"] a transformers line at step {step}") for part in segments)  # its own format
+        assert any(part.endswith(f"UserWarning: a Python warning at step {step}") for part in segments)
         assert any(part.startswith(f"step {step} | env_step") for part in segments)  # the bar's own log lines

@@ -2,6 +2,8 @@
 
 import contextlib
 import logging as std_logging
+import sys
+import warnings
 
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -26,8 +28,8 @@ class TeamProgressCallback(TrainerCallback):
     """A progress bar over optimiser steps showing the latest joint reward, and a compact line per log.
 
     It replaces transformers' `ProgressCallback`, which prints every logged key (dozens per agent). While the bar is
-    open, its lines and the messages of Python's and transformers' loggers are written above the bar
-    (`tqdm.write`), never glued to it.
+    open, its lines, the messages of Python's and transformers' loggers and Python's warnings are written above the
+    bar (`tqdm.write`), never glued to it.
     """
 
     def __init__(self):
@@ -45,6 +47,7 @@ class TeamProgressCallback(TrainerCallback):
             self._redirect = contextlib.ExitStack()
             loggers = [std_logging.getLogger(), std_logging.getLogger("transformers")]  # the root, and transformers'
             self._redirect.enter_context(logging_redirect_tqdm(loggers, tqdm_class=type(self.bar)))
+            self._redirect.enter_context(_warnings_above(type(self.bar)))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -75,6 +78,30 @@ class TeamProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+@contextlib.contextmanager
+def _warnings_above(tqdm_class):
+    """Print Python's warnings with `tqdm_class.write` while the bar is open.
+
+    Only where warnings are printed the standard way: a recording `warnings.catch_warnings(record=True)` (pytest's
+    included) or a custom `warnings.showwarning` is left alone.
+    """
+    standard = getattr(warnings, "_showwarnmsg_impl", None)
+    if getattr(standard, "__module__", None) != "warnings" or warnings.showwarning is not warnings._showwarning_orig:
+        yield
+        return
+
+    def write(message) -> None:
+        file = message.file if message.file is not None else sys.stderr
+        tqdm_class.write(warnings._formatwarnmsg(message).rstrip("\n"), file=file)
+
+    warnings._showwarnmsg_impl = write
+    try:
+        yield
+    finally:
+        if warnings._showwarnmsg_impl is write:
+            warnings._showwarnmsg_impl = standard
 
 
 def format_log_line(logs: dict, step: int) -> str | None:
