@@ -12,7 +12,7 @@ from test_recipes import _recipe
 
 from comlrl_trl.centralized import CentralizedCollaboration, TaggedCentralizedComparatorAdapter
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig
-from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterConfig
+from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterConfig, MARLHFTrainer
 from comlrl_trl.trainers.reinforce import (
     CentralizedMAGRPOConfig,
     CentralizedMAGRPOTrainer,
@@ -177,8 +177,13 @@ def test_a_reward_for_three_agents_is_refused_for_two_before_loading(qwen_path, 
 
 @pytest.mark.parametrize(
     "trainer_cls, config_cls",
-    [(MAGRPOTrainer, MAGRPOConfig), (IACTrainer, IACConfig), (MADPOTrainer, MADPOConfig)],
-    ids=["magrpo", "iac", "madpo"],
+    [
+        (MAGRPOTrainer, MAGRPOConfig),
+        (IACTrainer, IACConfig),
+        (MADPOTrainer, MADPOConfig),
+        (MARLHFTrainer, MARLHFConfig),
+    ],
+    ids=["magrpo", "iac", "madpo", "marlhf"],
 )
 def test_every_family_checks_the_reward_arity(trainer_cls, config_cls, qwen_path, tmp_path):
     with pytest.raises(TypeError, match=r"reward_func <lambda>\(first\) cannot take num_agents=2 lists"):

@@ -21,7 +21,7 @@ from ...adapters.grpo import release_accelerator, zero3_enabled
 from ...adapters.reward import active_deepspeed_plugin
 from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
-from ...inputs import resolve_agent_sources
+from ...inputs import check_reward_arity, resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
 from ..team.metrics_hooks import check_metrics_hooks
@@ -530,6 +530,7 @@ def _validate_inputs(
 ) -> None:
     if reward_func is None:
         raise ValueError("reward_func is required: the task reward labels the preference pairs and scores evaluation.")
+    check_reward_arity(reward_func, args.num_agents)
     if train_dataset is not None and not isinstance(train_dataset, Dataset):
         raise TypeError(
             f"train_dataset must be a datasets.Dataset (pairs are collected over all of it), got "
