@@ -575,6 +575,7 @@ sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")
 from comlrl_trl.tasks import sandbox
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: like a trainer that is PID 1
+{prelude}
 code = "import os, time\\nfor _ in range(3):\\n    if os.fork() == 0:\\n        time.sleep(60)\\n"
 code += "def spin():\\n    while True:\\n        pass\\n"
 timed_out = sum(sandbox.run_python(code, ["spin()"], timeout={timeout}).timed_out for _ in range({runs}))
@@ -591,13 +592,28 @@ print(json.dumps({{"timed_out": timed_out, "left": left}}))
 """
 
 
+# The process that ends a run does not answer: the checker SIGKILLs it after REAPER_SECONDS.
+STUCK = """
+import signal
+sandbox.REAPER_SECONDS = 0.2
+stop = sandbox._Child.stop
+def stuck_stop(child):
+    os.kill(child.process.pid, signal.SIGSTOP)
+    stop(child)
+sandbox._Child.stop = stuck_stop
+"""
+
+
 @ISOLATED
-def test_runs_that_hit_the_time_limit_leave_no_process_to_a_subreaper():
+@pytest.mark.parametrize("prelude, runs", [("", 50), (STUCK, 10)], ids=["ended", "ending process stuck"])
+def test_runs_that_hit_the_time_limit_leave_no_process_to_a_subreaper(prelude, runs):
     """A trainer that is PID 1 of a container or a child subreaper inherits every orphan of the run: after 50 runs
     stopped at their time limit (each forked sleepers), it has no zombie and no live process left (each run used
-    to leave the namespace's PID 1 behind as a zombie)."""
-    script = SUBREAPER_RUNS.format(root=str(Path(sandbox.__file__).parents[2]), timeout=0.3, runs=50)
+    to leave the namespace's PID 1 behind as a zombie); nor after 10 runs whose ending process was stuck, so that
+    the checker killed it (its child, PID 1 of the namespace, was left as a zombie)."""
+    root = str(Path(sandbox.__file__).parents[2])
+    script = SUBREAPER_RUNS.format(root=root, prelude=prelude, timeout=0.3, runs=runs)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    assert outcome == {"timed_out": 50, "left": []}
+    assert outcome == {"timed_out": runs, "left": []}

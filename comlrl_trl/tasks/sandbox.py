@@ -555,10 +555,12 @@ class _Child:
 
     def stop(self) -> None:
         """End the run's processes: on SIGTERM the child's first process kills them all (it SIGKILLs PID 1 of the
-        namespace, or is the fallback's reaper, see `_sandbox_child`); then SIGKILL for the process group, in case
-        it is gone or stuck."""
+        namespace, or is the fallback's reaper, see `_sandbox_child`) and reaps them; then SIGKILL for the process
+        group, in case it is gone or stuck. A stuck first process leaves its child to this process where it is PID 1
+        or a child subreaper: that child is reaped here."""
         self.process.send_signal(signal.SIGTERM)
-        _wait_for_exit(self.process, REAPER_SECONDS)
+        stuck = not _wait_for_exit(self.process, REAPER_SECONDS)
+        orphans = _children(self.process.pid) if stuck else []  # read while they are still its children
         for pipe in (self.process.stdin, self.process.stdout):
             pipe.close()
         try:
@@ -566,6 +568,7 @@ class _Child:
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
+        _reap_adopted(orphans, REAPER_SECONDS)
         self.stderr.close()
 
     def _read(self, size: int) -> bytes:
@@ -598,6 +601,41 @@ class _Child:
         self.stderr.seek(0)
         last = self.stderr.read()[-2000:].decode("utf-8", errors="replace").strip().splitlines()[-1:]
         return f"Crash: the program exited (code {code})" + (f": {last[0]}" if last else "")
+
+
+def _children(pid: int) -> list[int]:
+    """The children of `pid`, from /proc (empty where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(part) for part in handle.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _reap_adopted(pids: list[int], seconds: float) -> None:
+    """Reap those of `pids` that were re-parented to this process (it is PID 1 or a child subreaper), as they exit,
+    waiting at most `seconds` in all; the others are another process's to reap."""
+    me, deadline = os.getpid(), time.monotonic() + seconds
+    pending = [pid for pid in pids if _parent(pid) == me]
+    while pending and time.monotonic() < deadline:
+        pending = [pid for pid in pending if not _reaped(pid)]
+        if pending:
+            time.sleep(0.005)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # already reaped
+        return True
 
 
 def _wait_for_exit(process: subprocess.Popen, seconds: float) -> bool:
