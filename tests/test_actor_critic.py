@@ -267,14 +267,63 @@ def test_heterogeneous_actors_with_their_own_tokenizers_and_critics(qwen_path, l
     )
     maac.train()
     with pytest.raises(ValueError, match="has 384 token embeddings but its tokenizer has 512 tokens"):
-        MAACTrainer(
+        IACTrainer(  # critic i reads agent i's ids: a Llama critic cannot read the Qwen agent's
             agents=[qwen_path, llama_path],
             tokenizer=tokenizers,
-            critic_model=llama_path,
+            critics=[llama_path, llama_path],
             reward_func=_reward,
             train_dataset=ITEMS,
-            args=_config(make_config, MAACConfig),
+            args=_config(make_config),
         )
+
+
+def test_maac_critic_reads_each_agents_text_in_its_own_tokenizer(qwen_path, llama_path, make_config):
+    """Agents with different tokenizers (Llama's 384 ids, Qwen's 512) share one Qwen critic: each agent's response
+    enters the joint text as its own tokenizer decodes it, and the critic reads the Qwen tokenizer's ids of that
+    text, not the first agent's tokenizer's."""
+    agent_tokenizers = [AutoTokenizer.from_pretrained(p, padding_side="left") for p in (llama_path, qwen_path)]
+    trainer = MAACTrainer(
+        agents=[llama_path, qwen_path],
+        tokenizer=agent_tokenizers,
+        critic_model=qwen_path,
+        reward_func=_reward,
+        train_dataset=ITEMS,
+        args=_config(make_config, MAACConfig, critic_type="q", max_steps=1),
+    )
+    critic_set, seen = trainer.critic_set, {"texts": [], "ids": [], "responses": []}
+    encode, rollout_values, forward = critic_set._encode, critic_set.rollout_values, trainer.critics[0].forward
+
+    def recording_encode(texts):
+        seen["texts"].append(list(texts))
+        return encode(texts)
+
+    def recording_forward(ids, mask, index):
+        seen["ids"].append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
+        return forward(ids, mask, index)
+
+    def recording_rollout_values(turns, scored):
+        values = rollout_values(turns, scored)
+        for t, texts in enumerate(critic_set._turn_texts):
+            for a, tokenizer in enumerate(agent_tokenizers):
+                batch = scored[a][t]
+                for row, text in enumerate(texts):
+                    ids = batch["completion_ids"][row][batch["completion_mask"][row].bool()]
+                    seen["responses"].append((a, tokenizer.decode(ids, skip_special_tokens=True), text))
+        return values
+
+    critic_set._encode, critic_set.rollout_values = recording_encode, recording_rollout_values
+    trainer.critics[0].forward = recording_forward
+    trainer.train()
+
+    assert seen["responses"] and {a for a, _, _ in seen["responses"]} == {0, 1}
+    for a, response, text in seen["responses"]:
+        assert f"[Agent {a + 1} response]\n{response}" in text
+    critic_tokenizer = AutoTokenizer.from_pretrained(qwen_path)
+    assert len(seen["texts"]) == len(seen["ids"]) > 0
+    for texts, ids in zip(seen["texts"], seen["ids"]):
+        assert ids == [critic_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    first_agent_ids = agent_tokenizers[0](seen["texts"][0][0], add_special_tokens=False)["input_ids"]
+    assert seen["ids"][0][0] != first_agent_ids  # the two tokenizers disagree on the joint text
 
 
 def test_lora_actors_and_critics_train_only_adapters_and_heads(qwen_path, make_config):

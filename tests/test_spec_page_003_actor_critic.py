@@ -40,7 +40,8 @@ def test_centralized_critic(qwen_path, tmp_path):
         train_dataset=train_dataset,
         args=MAACConfig(num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **_fast(tmp_path)),
     )
-    assert len(trainer.critics) == 1 and trainer.critic_set.tokenizer is trainer.tokenizers[0]
+    assert len(trainer.critics) == 1  # the critic reads the joint text in its own tokenizer (Qwen's, as the agents')
+    assert trainer.critic_set.tokenizer.get_vocab() == trainer.tokenizers[0].get_vocab()
     before = snapshot(trainer.critics[0])
     trainer.train()
     assert "value_head.net.0.weight" in changed(before, trainer.critics[0])

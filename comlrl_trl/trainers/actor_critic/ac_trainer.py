@@ -22,6 +22,7 @@ from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positio
 from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
 from ..team.trainer import TeamTrainer
 from .ac_config import ActorCriticConfig
+from .critics import critic_tokenizer
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
 
 
@@ -158,11 +159,15 @@ class ActorCriticTrainer(TeamTrainer):
         raise NotImplementedError
 
     def _load_critic(self, source, critic_kwargs, peft_config, hidden_dim, tokenizer, label: str):
+        """A critic from `source` with a fresh value head, and the tokenizer whose ids it reads: `tokenizer` (an
+        actor's, for a critic fed that actor's ids), or with None the critic's own (`critic_tokenizer`)."""
         model = load_causal_lm(source, critic_kwargs, label)
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        if tokenizer is None:
+            tokenizer = critic_tokenizer(source, model, label)
         vocab = model.get_input_embeddings().num_embeddings
         if vocab < len(tokenizer):
             raise ValueError(
@@ -170,7 +175,7 @@ class ActorCriticTrainer(TeamTrainer):
                 "accept the token ids it is fed (use a critic from the same model family as its actor)."
             )
         fp32_trainable(model)  # the critic's own AdamW steps fp32 master weights; bf16 comes from autocast
-        return CausalLMWithValueHead(model.to(self.accelerator.device), hidden_dim)
+        return CausalLMWithValueHead(model.to(self.accelerator.device), hidden_dim), tokenizer
 
     # ----- training -----
 

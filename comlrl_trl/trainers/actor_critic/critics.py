@@ -3,7 +3,7 @@
 - `ActorValueHeads` (IAC, `use_separate_critic=False`): a value head on every actor; the value loss is part of
   the actor's loss (see `ActorAgent`), so the actors' optimisers train the heads too.
 - `SeparateCritics` (IAC): one critic model per agent, fed its actor's token ids, each with its own optimiser.
-- `JointCritic` (MAAC): one centralised critic fed the joint text of all agents (first actor's tokenizer).
+- `JointCritic` (MAAC): one centralised critic fed the joint text of all agents (in the critic's own tokenizer).
 
 Critics with optimisers of their own train with a plain AdamW each, or, under DeepSpeed, in a DeepSpeed engine each
 (`critic_engine`), which ZeRO partitions as it partitions the agents'.
@@ -162,6 +162,29 @@ def critic_engine(critic: CausalLMWithValueHead, args, plugin_config: dict[str, 
         config=critic_engine_config(plugin_config, args, hidden_size(critic.model)),
     )
     return engine
+
+
+def critic_tokenizer(source, model, label: str):
+    """The tokenizer of a critic that reads text (MAAC's): the critic model's own, from `source` when it is a model
+    id or directory, else from the model object's `name_or_path`. Without a pad token it pads with its end token."""
+    from transformers import AutoTokenizer
+
+    name = source if isinstance(source, (str, os.PathLike)) else getattr(model, "name_or_path", "")
+    if not name:
+        raise ValueError(
+            f"{label} is a model object without a name_or_path, so its tokenizer cannot be found: pass the critic "
+            "as a model id or a directory that holds its tokenizer."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"{label}: no tokenizer could be loaded from {os.fspath(name)!r} ({error}). The critic reads the joint "
+            "text in its own tokenizer: pass a model id or a directory that holds the critic's tokenizer."
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def export_critic(critic: CausalLMWithValueHead, path: str, tokenizer, should_save: bool) -> None:

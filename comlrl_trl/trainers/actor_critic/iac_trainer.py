@@ -88,14 +88,13 @@ class IACTrainer(ActorCriticTrainer):
         for i, (source, agent) in enumerate(zip(sources, self.agent_trainers)):
             if i > 0 and source is sources[0] and not isinstance(source, str):
                 source = copy.deepcopy(source)  # one model object given as critic_model: every agent gets a copy
-            critics.append(
-                self._load_critic(
-                    source,
-                    critic_kwargs,
-                    copy.deepcopy(critic_peft_config),
-                    self.args.critic_value_head_hidden_dim,
-                    agent.processing_class,
-                    f"The critic of agent {i}",
-                )
+            critic, _ = self._load_critic(
+                source,
+                critic_kwargs,
+                copy.deepcopy(critic_peft_config),
+                self.args.critic_value_head_hidden_dim,
+                agent.processing_class,  # critic i reads agent i's token ids
+                f"The critic of agent {i}",
             )
+            critics.append(critic)
         return SeparateCritics(self, critics)

@@ -10,15 +10,16 @@ class MAACTrainer(ActorCriticTrainer):
     Trainer for cooperative LLM agents with one centralised critic (MAAC).
 
     The critic is a causal LM with a value head that reads the joint text of the team (every agent's prompt, and
-    with `critic_type="q"` every response; the layout is `comlrl_trl.joint_text.joint_text`), encoded with the
-    first actor's tokenizer, so the critic must accept that tokenizer's ids. Each joint sample trains the critic
-    once; every agent's advantage is its value target minus the joint value.
+    with `critic_type="q"` every response, each decoded by its own agent's tokenizer; the layout is
+    `comlrl_trl.joint_text.joint_text`), encoded with the critic's own tokenizer (loaded from the critic's model id
+    or directory, or from a model object's `name_or_path`), so agents with different tokenizers share one critic.
+    Each joint sample trains the critic once; every agent's advantage is its value target minus the joint value.
 
     Arguments are those of [`IACTrainer`], except that `critic_model` or a one-element `critics` list gives the
     single critic (always required), and `model_config` also takes `critic_value_head_hidden_dim`.
 
-    `save_model(dir)` writes `dir/agent_i/` for the actors and `dir/critic/` (a loadable model directory, the first
-    actor's tokenizer and `value_head.pt`). Restore a saved head after construction with
+    `save_model(dir)` writes `dir/agent_i/` for the actors and `dir/critic/` (a loadable model directory, the critic's
+    tokenizer and `value_head.pt`). Restore a saved head after construction with
     `trainer.critics[0].value_head.load_state_dict(torch.load(dir / "critic" / "value_head.pt"))`.
     """
 
@@ -52,8 +53,7 @@ class MAACTrainer(ActorCriticTrainer):
             raise ValueError(
                 f"model_config['critic_value_head_hidden_dim'] must be a positive integer, got {hidden_dim!r}."
             )
-        tokenizer = self.agent_trainers[0].processing_class
-        critic = self._load_critic(
-            sources[0], critic_kwargs, critic_peft_config, hidden_dim, tokenizer, "The centralised critic"
-        )
+        critic, tokenizer = self._load_critic(
+            sources[0], critic_kwargs, critic_peft_config, hidden_dim, None, "The centralised critic"
+        )  # None: the critic's own tokenizer, not any agent's (the joint text is a string, re-tokenised for it)
         return JointCritic(self, critic, tokenizer)
