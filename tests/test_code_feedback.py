@@ -246,8 +246,34 @@ def test_eval_metrics_per_turn():
     rows = task.eval_logger(
         agent_completions_turns=[[["junk", helper]], [["junk", main]]], batch_items=[item], prompts=[item["prompt"]]
     )
-    assert rows == [{"turn_1/pass_rate": 0.0, "turn_1/solved": 0.0, "turn_2/pass_rate": 1.0, "turn_2/solved": 1.0}]
+    clean = {"malformed": 0.0, "malformed_reason": ""}
+    assert rows == [
+        {
+            "turn_1/pass_rate": 0.0,
+            "turn_1/solved": 0.0,
+            **{f"turn_1/{key}": value for key, value in clean.items()},
+            "turn_2/pass_rate": 1.0,
+            "turn_2/solved": 1.0,
+            **{f"turn_2/{key}": value for key, value in clean.items()},
+        }
+    ]
     assert task.eval_aggregator(rows + rows, num_turns=2)["turn_2/solved"] == 1.0
+
+
+def test_eval_rows_name_why_code_was_scored_as_malformed():
+    """A joint action whose code the analysis refuses is counted in the evaluation, with the reason."""
+    item = _item("sum_of_squares")
+    helper, main = SOLUTIONS["sum_of_squares"]
+    deep = "def sum_of_squares(xs):\n    return " + "-" * 150 + "1"  # parses, 150 unary minus levels deep
+    broken = "def sum_of_squares(xs):\n    return )"
+    rows = task.eval_logger(
+        agent_completions_turns=[[[helper], [helper], [helper]], [[deep], [broken], [main]]],
+        batch_items=[item] * 3,
+        prompts=[item["prompt"]] * 3,
+    )
+    assert [row["turn_1/malformed_reason"] for row in rows] == ["too deep", "SyntaxError", ""]
+    assert [row["turn_1/malformed"] for row in rows] == [1.0, 1.0, 0.0]
+    assert task.eval_aggregator(rows, num_turns=1)["turn_1/malformed"] == pytest.approx(2 / 3)
 
 
 # ----- training -----

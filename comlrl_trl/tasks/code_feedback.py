@@ -58,6 +58,7 @@ from .coding import (
     extract_code,
     joint_program,
     joint_rewards,
+    malformed_reason,
     revision_prompts,
     with_feedback,
 )
@@ -385,7 +386,9 @@ def transition(
 def eval_logger(
     *, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]], prompts: list[Any]
 ) -> list[dict[str, float]]:
-    """Per evaluation item and turn: `turn_k/pass_rate` (tests passed) and `turn_k/solved` (all passed)."""
+    """Per evaluation item and turn: `turn_k/pass_rate` (tests passed), `turn_k/solved` (all passed) and
+    `turn_k/malformed` (1.0 when the analysis scored an agent's code as malformed, the reason in
+    `turn_k/malformed_reason`; see `coding.malformed_reason`)."""
     rows = []
     for i, item in enumerate(batch_items):
         row = {}
@@ -395,11 +398,15 @@ def eval_logger(
             result = run_tests(extract_code(helper_text), extract_code(main_text), item["tests"])
             row[f"turn_{turn}/pass_rate"] = result.pass_rate
             row[f"turn_{turn}/solved"] = float(result.total > 0 and result.passed == result.total)
+            reason = malformed_reason(helper_text, main_text)
+            row[f"turn_{turn}/malformed"] = float(reason is not None)
+            row[f"turn_{turn}/malformed_reason"] = reason or ""
         rows.append(row)
     return rows
 
 
 def eval_aggregator(rows: list[dict[str, float]], *, num_turns: int) -> dict[str, float]:
     """The mean of every `eval_logger` metric over the evaluation items."""
-    keys = [f"turn_{turn}/{name}" for turn in range(1, num_turns + 1) for name in ("pass_rate", "solved")]
+    names = ("pass_rate", "solved", "malformed")
+    keys = [f"turn_{turn}/{name}" for turn in range(1, num_turns + 1) for name in names]
     return {key: sum(row[key] for row in rows) / len(rows) for key in keys if rows and all(key in row for row in rows)}

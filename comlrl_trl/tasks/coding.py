@@ -83,6 +83,20 @@ def _deeper_than(tree: ast.AST, limit: int) -> bool:
     return False
 
 
+def malformed_reason(*completions: str) -> str | None:
+    """Why the analysis scores one of these completions (say, a joint action's) as malformed: `"too long"`,
+    `"too deep"` or the error parsing its code raised (`"SyntaxError"`, `"RecursionError"`, ...); None when every
+    one of them is without code or analysable. What the code tasks' evaluation rows record (`turn_k/malformed`)."""
+    for completion in completions:
+        if len(completion) > MAX_COMPLETION_CHARS:
+            return "too long"
+        code = extract_code(completion)
+        reason = parse_bounded(code)[1] if code else None
+        if reason is not None:
+            return reason
+    return None
+
+
 # ----- code extraction -----
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)

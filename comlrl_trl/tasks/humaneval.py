@@ -78,6 +78,7 @@ from .coding import (
     group_counts,
     joint_program,
     joint_rewards,
+    malformed_reason,
     mean_pass_at_k,
     pass_at_k_values,
     revision_prompts,
@@ -534,13 +535,17 @@ def eval_logger(
     *, agent_completions_turns: list[list[list[str]]], batch_items: list[dict[str, Any]], prompts: list[Any]
 ) -> list[dict[str, Any]]:
     """Per evaluation sample: its `task_id` and, per turn k, `turn_k/pass_rate` and `turn_k/solved` of the joint
-    program and `turn_k/main_only_pass_rate` and `turn_k/main_only_solved` of the main agent's code alone."""
+    program, `turn_k/main_only_pass_rate` and `turn_k/main_only_solved` of the main agent's code alone, and
+    `turn_k/malformed` (1.0 when the analysis scored an agent's code as malformed, the reason in
+    `turn_k/malformed_reason`; see `coding.malformed_reason`)."""
     jobs = []  # (row, turn, helper code, main code)
+    reasons = {}  # (row, turn) -> why the analysis scored that joint action's code as malformed, or None
     for i in range(len(batch_items)):
         for turn, (helper_text, main_text) in enumerate(
             zip(agent_completions_turns[0][i], agent_completions_turns[1][i]), start=1
         ):
             jobs.append((i, turn, extract_code(helper_text), extract_code(main_text)))
+            reasons[i, turn] = malformed_reason(helper_text, main_text)
     joint = run_parallel(lambda job: run_tests(batch_items[job[0]], job[2], job[3]), jobs)
     alone = run_parallel(lambda job: run_tests(batch_items[job[0]], job[3]), jobs)
     rows = [{"task_id": item["task_id"]} for item in batch_items]
@@ -548,12 +553,15 @@ def eval_logger(
         for prefix, result in (("", joint_result), ("main_only_", main_result)):
             rows[i][f"turn_{turn}/{prefix}pass_rate"] = result.pass_rate
             rows[i][f"turn_{turn}/{prefix}solved"] = float(result.total > 0 and result.passed == result.total)
+        rows[i][f"turn_{turn}/malformed"] = float(reasons[i, turn] is not None)
+        rows[i][f"turn_{turn}/malformed_reason"] = reasons[i, turn] or ""
     return rows
 
 
 def eval_aggregator(rows: list[dict[str, Any]], *, num_turns: int) -> dict[str, float]:
     """Per turn k: `turn_k/pass_rate` (mean over samples), `turn_k/pass@j` over problems for every reported j, and
-    the same with `main_only_`; plus `num_problems` and `samples_per_problem` (the fewest any problem has)."""
+    the same with `main_only_`; `turn_k/malformed` (mean over samples); plus `num_problems` and
+    `samples_per_problem` (the fewest any problem has)."""
     if not rows:
         return {}
     counts = group_counts(rows, "task_id", "turn_1/solved")
@@ -568,4 +576,7 @@ def eval_aggregator(rows: list[dict[str, Any]], *, num_turns: int) -> dict[str, 
             counts = group_counts(rows, "task_id", solved)
             for k in pass_at_k_values(samples):
                 metrics[f"turn_{turn}/{prefix}pass@{k}"] = mean_pass_at_k(counts, k)
+        malformed = f"turn_{turn}/malformed"
+        if all(malformed in row for row in rows):
+            metrics[malformed] = sum(row[malformed] for row in rows) / len(rows)
     return metrics
