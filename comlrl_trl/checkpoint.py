@@ -18,10 +18,14 @@ same lock on `output_dir` is taken at the first `train()` and held while the tra
 that the results written after training (`save_model`, a recipe's `models/` and `metrics.json`) are covered too.
 On a filesystem without a working `flock` (NFS mounted `nolock`, some Lustre setups) the run warns once and goes on
 without the lock: nothing then stops a second run from writing the same directory, and staging directories left by
-crashed runs are not cleaned up. Resuming verifies the manifest and names any missing or damaged file; with several
-processes only the main one reads the files, and the others take its verdict.
+crashed runs are not cleaned up. Resuming verifies the manifest and names any missing or damaged file.
 
-Hashing costs one read of every file (when saving, and on resume): files are hashed on up to `HASH_THREADS` threads
+Hashing costs one read of every file (when saving, and on resume). With several processes the files are dealt out
+(`hash_shares`: balanced by bytes, the same on every process) and each process hashes its share, so N processes read
+about 1/N of the checkpoint each; the main process writes the manifest (or decides the verdict) from the gathered
+digests, and an error on any process reaches every process, naming it. Rename and prune stay on the main process.
+How long a process waits for the others at these collectives is bounded by the process group's timeout,
+transformers' `ddp_timeout` (default 1800 s). Each process hashes on up to `HASH_THREADS` threads
 (hashlib releases the GIL), each safetensors shard and optimiser file separately. Measured from the page cache on a
 shared 2-core machine: 0.5-1.2 GB/s on one thread, 0.9-1.2 GB/s on threads (2 cores). A 200 GB checkpoint (two 7B
 agents with optimiser state) then costs about 3-7 minutes on one core; with 8 free cores it is bounded by how fast
@@ -445,6 +449,7 @@ def _sha256(path: str) -> str:
 
 
 HASH_THREADS = 8  # files hashed at once (hashlib releases the GIL: threads read and hash in parallel)
+FILE_COST = 1 << 20  # what one file costs beyond its bytes when shares are balanced (open, metadata round trips)
 
 
 def _sha256_all(paths: list[str]) -> list[str]:
@@ -455,53 +460,126 @@ def _sha256_all(paths: list[str]) -> list[str]:
         return list(pool.map(_sha256, paths))
 
 
-def build_manifest(directory: str) -> dict[str, dict[str, Any]]:
-    """`{relative path: {"size": bytes, "sha256": hex}}` for every file under `directory` but the metadata."""
-    files = {}
+def hash_shares(sizes: list[int], processes: int) -> list[list[int]]:
+    """Which files each process hashes, as indices into `sizes`: balanced by bytes, the same on every process.
+
+    The largest file goes first, each to the process with the least work so far (its bytes plus `FILE_COST` per
+    file; ties to the lower rank). Equal files are dealt round-robin; no process reads more than the average share
+    plus one file.
+    """
+    loads, shares = [0] * processes, [[] for _ in range(processes)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(processes), key=lambda r: (loads[r], r))
+        shares[rank].append(index)
+        loads[rank] += sizes[index] + FILE_COST
+    return [sorted(share) for share in shares]
+
+
+def _distributed(accelerator) -> bool:
+    return accelerator is not None and accelerator.num_processes > 1
+
+
+def on_every_process(function, accelerator, what: str) -> list[Any]:
+    """`function()` on every process; every process gets the results of all, in rank order, or raises on every process
+    the error of the first process that failed (named), so that no rank is left waiting for one that stopped."""
+    from accelerate.utils import gather_object
+
+    try:
+        outcome = (function(), None)
+    except Exception as error:
+        outcome = (None, f"{type(error).__name__}: {error}")
+    outcomes = gather_object([outcome])
+    failed = [(rank, error) for rank, (_, error) in enumerate(outcomes) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise RuntimeError(f"Process {rank} of {len(outcomes)} failed while {what}: {error}")
+    return [result for result, _ in outcomes]
+
+
+def hash_files(paths: list[str], sizes: list[int], accelerator=None) -> list[str]:
+    """The sha256 of every file of `paths` (the same list on every process), in order.
+
+    With several processes each hashes its share (`hash_shares`) and every process gets all digests; an error on
+    any process (an unreadable file) is raised on every process, naming the process.
+    """
+    if not _distributed(accelerator):
+        return _sha256_all(paths)
+    shares = hash_shares(sizes, accelerator.num_processes)
+    mine = shares[accelerator.process_index]
+    results = on_every_process(lambda: _sha256_all([paths[i] for i in mine]), accelerator, "hashing checkpoint files")
+    digests: list[str] = [""] * len(paths)
+    for share, share_digests in zip(shares, results):
+        for index, digest in zip(share, share_digests):
+            digests[index] = digest
+    return digests
+
+
+def _listing(directory: str) -> list[tuple[str, int]]:
+    """`(relative path, size)` of every file under `directory` but the metadata, sorted by path."""
+    files = []
     for parent, _, names in os.walk(directory):
         for name in names:
             path = os.path.join(parent, name)
             relative = os.path.relpath(path, directory).replace(os.sep, "/")
             if relative != METADATA_NAME:
-                files[relative] = path
-    relatives = sorted(files)
-    digests = _sha256_all([files[relative] for relative in relatives])
-    return {
-        relative: {"size": os.path.getsize(files[relative]), "sha256": digest}
-        for relative, digest in zip(relatives, digests)
-    }
+                files.append((relative, os.path.getsize(path)))
+    return sorted(files)
 
 
-def write_metadata(directory: str, metadata: dict[str, Any]) -> None:
-    """Write the metadata, with the manifest of every file already in `directory`; last: it marks completion."""
+def build_manifest(directory: str, accelerator=None) -> dict[str, dict[str, Any]]:
+    """`{relative path: {"size": bytes, "sha256": hex}}` for every file under `directory` but the metadata.
+
+    With an `accelerator` of several processes, call it on every process: the main process lists the files, every
+    process hashes its share of them (`hash_files`), and every process gets the whole manifest.
+    """
+    files = (
+        on_main_process(lambda: _listing(directory), accelerator) if _distributed(accelerator) else _listing(directory)
+    )
+    paths = [os.path.join(directory, *relative.split("/")) for relative, _ in files]
+    digests = hash_files(paths, [size for _, size in files], accelerator)
+    return {relative: {"size": size, "sha256": digest} for (relative, size), digest in zip(files, digests)}
+
+
+def write_metadata(directory: str, metadata: dict[str, Any], manifest: dict[str, Any] | None = None) -> None:
+    """Write the metadata with the manifest of every file already in `directory` (`build_manifest`'s, unless given);
+    last: it marks completion."""
+    manifest = build_manifest(directory) if manifest is None else manifest
     with open(os.path.join(directory, METADATA_NAME), "w") as f:
-        json.dump({**metadata, MANIFEST_KEY: build_manifest(directory)}, f, indent=2)
+        json.dump({**metadata, MANIFEST_KEY: manifest}, f, indent=2)
 
 
-def verify_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """Read the metadata and check every file of the manifest; raise naming each missing or damaged file."""
+def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None) -> dict[str, Any]:
+    """Read the metadata and check every file of the manifest; raise naming each missing or damaged file.
+
+    With an `accelerator` of several processes, call it on every process: the main process reads the metadata,
+    every process checks its share of the files (`hash_shares`), and every process gets the metadata or the same
+    error (a damaged file, or a process that failed while reading, named).
+    """
     checkpoint = os.fspath(checkpoint)
-    metadata = read_checkpoint_metadata(checkpoint)
+    if _distributed(accelerator):
+        metadata = on_main_process(lambda: read_checkpoint_metadata(checkpoint), accelerator)
+    else:
+        metadata = read_checkpoint_metadata(checkpoint)
     manifest = metadata.get(MANIFEST_KEY)
     if manifest is None:
         warnings.warn(
             f"{checkpoint} has no manifest (written by an older comlrl_trl): its files are not verified.", stacklevel=3
         )
         return metadata
-    problems, to_hash = [], []
-    for relative, expected in manifest.items():
-        path = os.path.join(checkpoint, *relative.split("/"))
-        if not os.path.isfile(path):
-            problems.append(f"{relative} is missing")
-        elif os.path.getsize(path) != expected["size"]:
-            problems.append(f"{relative} is damaged ({os.path.getsize(path)} bytes, expected {expected['size']})")
-        else:
-            to_hash.append(relative)
-    digests = _sha256_all([os.path.join(checkpoint, *relative.split("/")) for relative in to_hash])
-    for relative, digest in zip(to_hash, digests):
-        if digest != manifest[relative]["sha256"]:
-            problems.append(f"{relative} is damaged (its sha256 differs from the one recorded when it was saved)")
+    relatives = list(manifest)
+    processes = accelerator.num_processes if _distributed(accelerator) else 1
+    shares = hash_shares([manifest[relative]["size"] for relative in relatives], processes)
+    mine = [relatives[i] for i in shares[accelerator.process_index if processes > 1 else 0]]
+    if processes > 1:
+        found = on_every_process(
+            lambda: _check_files(checkpoint, manifest, mine), accelerator, "verifying " + checkpoint
+        )
+        problems = [problem for share in found for problem in share]
+    else:
+        problems = _check_files(checkpoint, manifest, mine)
     if problems:
+        order = {relative: i for i, relative in enumerate(relatives)}
+        problems = [text for _, text in sorted(problems, key=lambda problem: order[problem[0]])]
         raise ValueError(
             f"Cannot resume from {checkpoint}: the checkpoint is not as it was saved.\n  "
             + "\n  ".join(problems)
@@ -510,26 +588,32 @@ def verify_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return metadata
 
 
+def _check_files(checkpoint: str, manifest: dict[str, Any], relatives: list[str]) -> list[tuple[str, str]]:
+    """`(relative path, problem)` for each of `relatives` that is missing or differs from the manifest."""
+    problems, to_hash = [], []
+    for relative in relatives:
+        path, expected = os.path.join(checkpoint, *relative.split("/")), manifest[relative]
+        if not os.path.isfile(path):
+            problems.append((relative, f"{relative} is missing"))
+        elif os.path.getsize(path) != expected["size"]:
+            size = os.path.getsize(path)
+            problems.append((relative, f"{relative} is damaged ({size} bytes, expected {expected['size']})"))
+        else:
+            to_hash.append(relative)
+    digests = _sha256_all([os.path.join(checkpoint, *relative.split("/")) for relative in to_hash])
+    for relative, digest in zip(to_hash, digests):
+        if digest != manifest[relative]["sha256"]:
+            problems.append(
+                (relative, f"{relative} is damaged (its sha256 differs from the one recorded when it was saved)")
+            )
+    return problems
+
+
 def verify_checkpoint_once(checkpoint: str | os.PathLike, accelerator) -> dict[str, Any]:
-    """`verify_checkpoint` on the main process only; every process gets its metadata, or raises its error.
-
-    The other processes do not read the checkpoint's files (16 ranks would read it 16 times from a shared
-    filesystem); the verdict reaches them before any of them goes on.
-    """
-    if accelerator.num_processes == 1:
-        return verify_checkpoint(checkpoint)
-    from accelerate.utils import broadcast_object_list
-
-    verdict: list[Any] = [None, None]
-    if accelerator.is_main_process:
-        try:
-            verdict = [verify_checkpoint(checkpoint), None]
-        except Exception as error:  # every process raises it, not only the main one
-            verdict = [None, error]
-    metadata, error = broadcast_object_list(verdict)
-    if error is not None:
-        raise error
-    return metadata
+    """`verify_checkpoint` spread over the processes: each reads its share of the files (about 1/N of the bytes,
+    instead of the main process reading them all while the others wait); every process gets the metadata, or raises
+    the same error."""
+    return verify_checkpoint(checkpoint, accelerator)
 
 
 def commit(staging: str, final: str) -> None:

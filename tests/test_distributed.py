@@ -112,8 +112,9 @@ def test_two_process_checkpoints_share_one_staging_directory_and_verify_on_resum
     )
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no staging, no lock left
     files = len(report["files"])
-    # rank 0 hashed checkpoint-1 to verify it (its files and checkpoint-2's manifest); rank 1 hashed nothing
-    assert report["hashed"][0] >= files and report["hashed"][1] == 0
+    # checkpoint-1 verified on resume and checkpoint-2 hashed when saved: both ranks read a share of each
+    rank0_hashed, rank1_hashed = report["hashed"]
+    assert rank0_hashed + rank1_hashed == 2 * files and rank0_hashed > 0 and rank1_hashed > 0
     rank0_error, rank1_error = report["errors"]  # checkpoint-1 damaged: both ranks stop with rank 0's verdict
     assert rank0_error == rank1_error and "agent_1/model.safetensors is damaged" in rank0_error
 
@@ -285,3 +286,21 @@ def test_two_zero_ranks_resume_to_the_weights_of_the_uninterrupted_run(tmp_path,
     assert full["steps"] == resumed["steps"] == 4  # 2 steps per epoch
     assert full["after"][0] == full["after"][1] == resumed["after"][0] == resumed["after"][1]
     assert all(after != before for after, before in zip(full["after"][0], full["before"]))
+
+
+def test_two_ranks_hash_and_verify_a_checkpoint_each_its_share(tmp_path):
+    """Saving and resuming read the files of a checkpoint on every rank, each its share: with a hash slowed to 0.25 s
+    per file on one thread, 12 equal files take 6 x 0.25 = 1.5 s on two ranks against 12 x 0.25 = 3 s on rank 0
+    alone. A damaged file is found by the rank that reads it, and a rank that raises stops both with its message."""
+    rank0, rank1 = run_torchrun("shared_hashing.py", tmp_path, 2)
+    assert len(rank0["saved"]) == len(rank1["saved"]) == 6  # equal files: dealt round-robin
+    assert sorted(rank0["saved"] + rank1["saved"]) == sorted({*rank0["saved"], *rank1["saved"]})  # each file once
+    assert rank0["verified"] == rank0["saved"] and rank1["verified"] == rank1["saved"]  # the same share on resume
+    assert rank0["same_manifest"]  # the digests of rank 0 alone
+    assert 1.5 <= rank0["shared_time"] < 0.75 * rank0["alone_time"] and rank0["alone_time"] >= 3.0
+    damaged = f"{rank1['verified'][0]} is damaged (its sha256 differs"
+    assert rank0["damaged"] == rank1["damaged"] and damaged in rank0["damaged"]
+    assert rank0["failed"] == rank1["failed"]
+    assert rank0["failed"].startswith("RuntimeError: Process 1 of 2 failed while verifying")
+    assert "OSError: injected read error on rank 1" in rank0["failed"]
+    assert rank0["failed_time"] < 10 and rank1["failed_time"] < 10  # rank 0 hashes its share (1.5 s); ddp_timeout=60

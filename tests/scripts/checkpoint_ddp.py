@@ -1,5 +1,5 @@
 """Two-process MAGRPO checkpoints: one staging directory shared by the ranks, a manifest with every rank's RNG
-file, and a resume verified by rank 0 alone (rank 1 hashes nothing), whose verdict on a damaged checkpoint reaches
+file, and a resume verified by both ranks (each hashes its share of the files), whose verdict on a damaged checkpoint reaches
 both ranks."""
 
 import json

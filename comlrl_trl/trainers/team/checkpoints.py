@@ -28,6 +28,7 @@ from ...checkpoint import (
     CHECKPOINT_VERSION,
     STATE_NAME,
     RunLock,
+    build_manifest,
     check_checkpoint_options,
     check_compatible,
     check_writable,
@@ -170,11 +171,22 @@ class Checkpoints:
                 state = {**self._team_state(), "objects": objects_state(self.stateful_objects())}
                 torch.save(state, os.path.join(staging, STATE_NAME))
             self.accelerator.wait_for_everyone()  # every process's files are in place before the manifest
+            manifest = self._build_manifest(staging, should_save)
             if should_save:
-                write_metadata(staging, self.checkpoint_metadata(sequence))
+                write_metadata(staging, self.checkpoint_metadata(sequence), manifest)
 
         name = f"{PREFIX_CHECKPOINT_DIR}-{sequence}"
         return save_staged(root, name, self._staging_token, write, self.accelerator, should_save, limit, self._run_id)
+
+    def _build_manifest(self, staging: str, should_save: bool) -> dict[str, Any] | None:
+        """The manifest of `staging`, hashed by every process, each its share of the files (`build_manifest`).
+
+        With `save_on_each_node` every node writes its own copy, which the other nodes may not see: each saving process
+        hashes its copy alone (the others return None).
+        """
+        if not getattr(self.args, "save_on_each_node", False):
+            return build_manifest(staging, self.accelerator)
+        return build_manifest(staging) if should_save else None
 
     def checkpoint_metadata(self, sequence: int) -> dict[str, Any]:
         """What `read_checkpoint_metadata` returns (but the manifest); families add their progress."""
