@@ -692,6 +692,39 @@ def refuse_foreign_checkpoints(root: str | None, run_id: str) -> None:
         )
 
 
+def check_world_size(saved: int | None, current: int, path: str, deepspeed: bool) -> None:
+    """Refuse to resume a checkpoint written by another number of processes (`saved`; None: not recorded, before
+    comlrl_trl recorded it), naming both numbers and the way out."""
+    if saved is None or saved == current:
+        return
+    if deepspeed:
+        why = (
+            "DeepSpeed partitions the ZeRO optimiser state (and under ZeRO-3 the weights) over the data-parallel "
+            "processes, so its shards load only into the same number of processes."
+        )
+        fix = (
+            f"Resume with {saved} processes (e.g. `accelerate launch --num_processes {saved}` or `torchrun "
+            f"--nproc_per_node ...` with {saved} in all), or convert the shards of every checkpoint-N/agent_i: "
+            "DeepSpeed's zero_to_fp32.py there gives the full weights to start a new run from (the optimiser state is "
+            "lost), and its ds_to_universal.py gives a universal checkpoint that DeepSpeed can load on another number "
+            "of processes (load it yourself: comlrl_trl resumes only its own layout)."
+        )
+    else:
+        why = (
+            "Each process trains on per_device_train_batch_size items per step, so the global batch, the learning "
+            "rate per item and the position in the data (the items already trained on are skipped by count) would "
+            "change, and the resumed run would not continue the saved one."
+        )
+        fix = (
+            f"Resume with {saved} processes, or start a new run from the checkpoint's weights (checkpoint-N/agent_i, "
+            "loadable with from_pretrained) with the number of processes you want."
+        )
+    raise ValueError(
+        f"Cannot resume from {path}: it was saved by a run of {saved} processes and this run has {current}. {why} "
+        f"{fix}"
+    )
+
+
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str) -> None:
     """Refuse to resume into a different run: name every field of the fingerprint that differs."""
     current = json.loads(json.dumps(current, default=str))  # as the checkpoint's copy was read back

@@ -141,6 +141,45 @@ def test_resume_refuses_changed_settings_and_lists_them(qwen_path, make_config, 
     assert more_epochs.state.global_step == 2 * 4
 
 
+def _set_world_size(checkpoint, world_size):
+    """Rewrite the recorded world size (the metadata is not in its own manifest)."""
+    path = checkpoint / "comlrl_trl_checkpoint.json"
+    metadata = json.loads(path.read_text())
+    metadata["world_size"] = world_size
+    path.write_text(json.dumps(metadata))
+
+
+def test_a_checkpoint_records_its_world_size_and_resume_refuses_another(qwen_path, make_config, saved, tmp_path):
+    """A checkpoint of 2 processes resumed by 1 is refused before anything loads, with both numbers and the fix."""
+    assert json.loads((saved / "comlrl_trl_checkpoint.json").read_text())["world_size"] == 1
+    copy = tmp_path / "copy" / "checkpoint-1"
+    shutil.copytree(saved, copy)
+    _set_world_size(copy, 2)
+    resumed = _trainer(qwen_path, make_config, epochs=2)
+    with pytest.raises(ValueError) as raised:
+        resumed.train(resume_from_checkpoint=str(copy))
+    message = str(raised.value)
+    assert f"Cannot resume from {copy}: it was saved by a run of 2 processes and this run has 1." in message
+    assert "Resume with 2 processes, or start a new run from the checkpoint's weights" in message
+    assert resumed.state.global_step == 0
+    _set_world_size(copy, None)  # a checkpoint from before the world size was recorded: not checked
+    unrecorded = _trainer(qwen_path, make_config, epochs=2)
+    unrecorded.train(resume_from_checkpoint=str(copy))
+    assert unrecorded.state.global_step == 2 * 4
+
+
+def test_the_world_size_refusal_under_deepspeed_names_the_conversion():
+    from comlrl_trl.checkpoint import check_world_size
+
+    check_world_size(4, 4, "ckpt/checkpoint-3", deepspeed=True)
+    check_world_size(None, 4, "ckpt/checkpoint-3", deepspeed=True)
+    with pytest.raises(ValueError) as raised:
+        check_world_size(16, 8, "ckpt/checkpoint-3", deepspeed=True)
+    message = str(raised.value)
+    assert "Cannot resume from ckpt/checkpoint-3: it was saved by a run of 16 processes and this run has 8." in message
+    assert "--num_processes 16" in message and "zero_to_fp32.py" in message and "ds_to_universal.py" in message
+
+
 class _Calls(TrainerCallback):
     def __init__(self):
         self.steps = 0

@@ -304,3 +304,16 @@ def test_two_ranks_hash_and_verify_a_checkpoint_each_its_share(tmp_path):
     assert rank0["failed"].startswith("RuntimeError: Process 1 of 2 failed while verifying")
     assert "OSError: injected read error on rank 1" in rank0["failed"]
     assert rank0["failed_time"] < 10 and rank1["failed_time"] < 10  # rank 0 hashes its share (1.5 s); ddp_timeout=60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [None, "2"])
+def test_a_checkpoint_of_two_ranks_resumed_by_one_is_refused_at_the_start(tmp_path, zero_stage):
+    """Under DDP the global batch and the data position would change, under DeepSpeed the ZeRO shards could not load:
+    the resume stops before anything loads, naming both world sizes."""
+    saved = run_torchrun("world_size_resume.py", tmp_path, 2, "save", zero_stage=zero_stage)
+    assert saved == {"world": 2, "step": 2, "error": None}
+    resumed = run_torchrun("world_size_resume.py", tmp_path, 1, "resume", zero_stage=zero_stage)
+    assert resumed["world"] == 1 and resumed["step"] == 0
+    assert "checkpoint-1: it was saved by a run of 2 processes and this run has 1." in resumed["error"]
+    assert ("zero_to_fp32.py" in resumed["error"]) == (zero_stage is not None)

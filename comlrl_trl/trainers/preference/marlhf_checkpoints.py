@@ -23,7 +23,13 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback, TrainerState
 
 from ...adapters.helpers import call_save_model
-from ...checkpoint import latest_checkpoint, result_settings, stateful_objects, tokenizer_fingerprint
+from ...checkpoint import (
+    latest_checkpoint,
+    on_main_process,
+    result_settings,
+    stateful_objects,
+    tokenizer_fingerprint,
+)
 from ..team.checkpoints import Checkpoints, class_path
 from .pairs import load_pairs, save_pairs
 
@@ -191,8 +197,8 @@ class MARLHFCheckpoints(Checkpoints):
         rl, root = self.rl_trainer, self._rl_root
         if resumed_step is not None and rl.state.global_step == resumed_step:
             rl.load_rng_state(checkpoint)  # TRL restores it only when it trains
-        elif root is not None and latest_checkpoint(root) is not None:
-            self._boundary(latest_checkpoint(root), final=self.iteration + 1 == self.num_iterations)
+        elif root is not None and (leftover := on_main_process(lambda: latest_checkpoint(root), rl.accelerator)):
+            self._boundary(leftover, final=self.iteration + 1 == self.num_iterations)  # the same on every process
         if root is not None and self.args.should_save:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -31,6 +32,7 @@ from ...checkpoint import (
     build_manifest,
     check_checkpoint_options,
     check_compatible,
+    check_world_size,
     check_writable,
     earlier_results,
     hold_output_dir,
@@ -110,17 +112,19 @@ class Checkpoints:
         """Check the checkpoint against this trainer and the checkpoint root against other runs."""
         root = self._checkpoint_root()
         resume = resume_from_checkpoint
-        if resume is True:
-            resume = latest_checkpoint(root or self.args.output_dir)
-            if resume is None:
-                raise FileNotFoundError(
-                    f"resume_from_checkpoint=True but {root or self.args.output_dir!r} holds no complete checkpoint."
-                )
+        if resume is True:  # resolved by the main process, so that every process resumes the same checkpoint
+            resume = on_main_process(lambda: _latest(root or self.args.output_dir), self.accelerator)
         elif resume is False:
             resume = None
         self._resume_path = os.fspath(resume) if resume is not None else None
         if self._resume_path is not None:
             metadata = verify_checkpoint_once(self._resume_path, self.accelerator)
+            check_world_size(
+                metadata.get("world_size"),
+                self.accelerator.num_processes,
+                self._resume_path,
+                self.accelerator.distributed_type == DistributedType.DEEPSPEED,
+            )
             check_compatible(metadata["compat"], self.compatibility(), self._resume_path)
             self._run_id, self.checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:
@@ -195,6 +199,7 @@ class Checkpoints:
             "trainer_class": class_path(self),
             "sequence": sequence,
             "run_id": self._run_id,
+            "world_size": self.accelerator.num_processes,  # a resume must have as many (check_world_size)
             "wandb": self.wandb_identity(),
             "compat": self.compatibility(),
         }
@@ -206,6 +211,14 @@ class Checkpoints:
         state = torch.load(os.path.join(checkpoint, STATE_NAME), map_location="cpu", weights_only=True)
         self._restore_team_state(state, checkpoint)
         restore_objects(self.stateful_objects(), state["objects"], checkpoint)
+
+
+def _latest(root: str) -> str:
+    """The latest complete checkpoint under `root`, for `resume_from_checkpoint=True`."""
+    path = latest_checkpoint(root)
+    if path is None:
+        raise FileNotFoundError(f"resume_from_checkpoint=True but {root!r} holds no complete checkpoint.")
+    return path
 
 
 class TeamCheckpoints(Checkpoints):
