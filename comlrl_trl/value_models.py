@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .adapters.helpers import zero_partitioned
+from .adapters.helpers import zero_partition_dtype, zero_partitioned
 from .loading import base_model
 
 
@@ -50,6 +50,9 @@ class CausalLMWithValueHead(nn.Module):
         super().__init__()
         self.model = model
         self.value_head = ValueHead(hidden_size(model), hidden_dim).to(model.device)
+        partition_dtype = zero_partition_dtype(model)
+        if partition_dtype is not None:  # a backbone ZeRO-3 partitioned as it loaded: one dtype per partition
+            self.value_head.to(partition_dtype)
 
     @property
     def device(self) -> torch.device:

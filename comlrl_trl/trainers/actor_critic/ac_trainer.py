@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
-from ...adapters.grpo import AgentGRPOTrainer
+from ...adapters.grpo import AgentGRPOTrainer, zero3_enabled
 from ...adapters.helpers import call_save_model
 from ...core.values import value_loss
 from ...inputs import model_name
-from ...loading import load_causal_lm
-from ...value_models import CausalLMWithValueHead, fp32_trainable, value_positions
+from ...value_models import CausalLMWithValueHead, value_positions
 from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
 from ..team.trainer import TeamTrainer
 from .ac_config import ActorCriticConfig
+from .critic_loading import critic_load_kwargs, load_critic_backbone, place_critic
 from .critics import critic_tokenizer
 from .rollout import ActorCriticOrchestrator, AgentRewards, RolloutSample
 
@@ -161,7 +161,10 @@ class ActorCriticTrainer(TeamTrainer):
     def _load_critic(self, source, critic_kwargs, peft_config, hidden_dim, tokenizer, label: str):
         """A critic from `source` with a fresh value head, and the tokenizer whose ids it reads: `tokenizer` (an
         actor's, for a critic fed that actor's ids), or with None the critic's own (`critic_tokenizer`)."""
-        model = load_causal_lm(source, critic_kwargs, label)
+        zero3 = zero3_enabled(self)
+        kwargs = critic_load_kwargs(critic_kwargs, source, peft_config, zero3, bool(self.args.bf16))
+        plugin = self.accelerator.state.deepspeed_plugin if zero3 else None
+        model = load_critic_backbone(source, kwargs, label, plugin)  # under ZeRO-3: partitioned as it is created
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -174,8 +177,8 @@ class ActorCriticTrainer(TeamTrainer):
                 f"{label} has {vocab} token embeddings but its tokenizer has {len(tokenizer)} tokens; a critic must "
                 "accept the token ids it is fed (use a critic from the same model family as its actor)."
             )
-        fp32_trainable(model)  # the critic's own AdamW steps fp32 master weights; bf16 comes from autocast
-        return CausalLMWithValueHead(model.to(self.accelerator.device), hidden_dim), tokenizer
+        model = place_critic(model, self.accelerator.device)
+        return CausalLMWithValueHead(model, hidden_dim), tokenizer
 
     # ----- training -----
 

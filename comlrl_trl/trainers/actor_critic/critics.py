@@ -14,6 +14,7 @@ actors' optimiser steps (`step`), and saves and restores itself.
 """
 
 import copy
+import hashlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ...adapters.grpo import zero3_enabled
+from ...adapters.helpers import zero_sharded
 from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
 from ...hardware import training_autocast
@@ -164,6 +166,17 @@ def critic_engine(critic: CausalLMWithValueHead, args, plugin_config: dict[str, 
     return engine
 
 
+def critic_fingerprint(critic: CausalLMWithValueHead) -> str:
+    """`model_fingerprint` of a critic, with the full shapes of the weights ZeRO-3 partitioned as it loaded (their
+    local tensors are empty; DeepSpeed keeps the shape in `ds_shape`)."""
+    if not zero_sharded(critic):
+        return model_fingerprint(critic)
+    digest = hashlib.sha256(type(critic).__name__.encode())
+    for name, tensor in critic.state_dict(keep_vars=True).items():
+        digest.update(f"{name}:{tuple(getattr(tensor, 'ds_shape', tensor.shape))}:{tensor.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
 def critic_tokenizer(source, model, label: str):
     """The tokenizer of a critic that reads text (MAAC's): the critic model's own, from `source` when it is a model
     id or directory, else from the model object's `name_or_path`. Without a pad token it pads with its end token."""
@@ -263,7 +276,7 @@ class _OwnOptimisers:
             )
         self.trainer = trainer
         self.critics = critics
-        self.fingerprints = [model_fingerprint(critic) for critic in critics]
+        self.fingerprints = [critic_fingerprint(critic) for critic in critics]
         self.optimizers, self.engines = [], []
         if trainer.is_deepspeed_enabled:
             plugin_config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
