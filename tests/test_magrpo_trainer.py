@@ -302,19 +302,22 @@ def test_one_agent_matches_trl_grpo(qwen_path, tmp_path, logprob_temperature, tr
     assert ours.args.steps_per_generation == 2
     ours.train()
 
-    trl_logs = [row for row in reference.state.log_history if "reward" in row]
+    # logging_steps=1 logs every update in both (6 updates); rewards are logged once per generation (3 generations
+    # of 2 items), at the first update after it.
+    trl_logs = [row for row in reference.state.log_history if "loss" in row]
     our_logs = train_logs(ours)
-    # Rewards are logged once per generation (3 generations of 2 items): TRL's rows with rewards and ours. The first
-    # log of each holds step 1 alone; the team's later logs average the losses of the steps since, TRL's do not.
-    assert len(trl_logs) == len(our_logs) == 3
-    for theirs, mine in zip(trl_logs, our_logs):
-        assert mine["agent_0/reward"] == pytest.approx(theirs["reward"], abs=1e-6)
+    assert [row["step"] for row in trl_logs] == [row["step"] for row in our_logs] == [1, 2, 3, 4, 5, 6]
+    trl_rewards = [row["reward"] for row in trl_logs if "reward" in row]
+    our_rewards = [row["agent_0/reward"] for row in our_logs if "agent_0/reward" in row]
+    assert len(trl_rewards) == len(our_rewards) == 3
+    assert our_rewards == pytest.approx(trl_rewards, abs=1e-6)
     assert our_logs[0]["agent_0/loss"] == pytest.approx(trl_logs[0]["loss"], abs=1e-6)
     assert our_logs[0]["agent_0/grad_norm"] == pytest.approx(trl_logs[0]["grad_norm"], rel=1e-5)
-    # The same six updates of 0.05-rate AdamW steps, to float rounding (worst difference measured: 6e-6; a wrong
-    # micro-batch, ratio or advantage moves weights by ~1e-2).
+    # The same six updates of 0.05-rate AdamW steps, to float rounding (worst difference measured: 6e-6 on a Xeon,
+    # 3.7e-4 on an AMD EPYC with AVX512-BF16, where AdamW's normalisation magnifies the rounding of near-zero
+    # gradients; a wrong micro-batch, ratio or advantage moves weights by ~1e-2).
     for (name, theirs), mine in zip(reference.model.named_parameters(), ours.agents[0].parameters()):
-        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0, msg=name)
+        torch.testing.assert_close(mine, theirs, atol=1e-3, rtol=0, msg=name)
 
 
 def _items(n):
