@@ -128,6 +128,9 @@ def test_deepspeed_marlhf_trains_the_reward_model_with_its_own_engine(tmp_path, 
     assert report["engines"] == ["DeepSpeedEngine", "DeepSpeedEngine"] and report["engine_steps"] == [4, 4]
     assert report["reward_engines"] == [["DeepSpeedEngine", 3]]
     assert len(report["reward_loss"]) == 1 and 0 < report["reward_loss"][0] < 10
+    # after the RL stage: the two agents' optimisers hold state; the reward model's moments are gone (under ZeRO-3
+    # its engine stays for scoring, its optimiser state does not)
+    assert report["memory"][0][0] == 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
@@ -140,9 +143,9 @@ def test_deepspeed_marlhf_iter_rebuilds_engines_and_keeps_memory_flat(tmp_path, 
     assert report["reward_engines"] == [["DeepSpeedEngine", 3]] * 2
     first, second = report["memory"]
     assert first == second  # flat across iterations
-    # the two agents' optimisers, plus the reward model's under ZeRO-3 (kept: its partitioned weights are scored
-    # through the engine until the next reward model replaces it)
-    assert first[0] == (2 if stage == "2" else 3)
+    # the two agents' optimisers; the reward model's moments are cleared after it trains (under ZeRO-3 its engine
+    # stays, as its partitioned weights are scored through it, until the next reward model is built)
+    assert first[0] == 2
 
 
 def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):
@@ -317,3 +320,15 @@ def test_a_checkpoint_of_two_ranks_resumed_by_one_is_refused_at_the_start(tmp_pa
     assert resumed["world"] == 1 and resumed["step"] == 0
     assert "checkpoint-1: it was saved by a run of 2 processes and this run has 1." in resumed["error"]
     assert ("zero_to_fp32.py" in resumed["error"]) == (zero_stage is not None)
+
+
+def test_marlhf_scores_each_preference_pair_once_across_two_ranks(tmp_path):
+    """The reward model's metrics score the 2P texts of the P gathered pairs once in all, P on each rank (before:
+    2P on every rank), and give the metrics of scoring them all on one rank."""
+    rank0, rank1 = run_torchrun("marlhf_pair_scoring.py", tmp_path, 2)
+    pairs = rank0["pairs"]
+    assert pairs == rank1["pairs"] and pairs > 0
+    assert rank0["texts"] == rank1["texts"] == pairs  # 2P texts dealt over 2 ranks: P each (an even count)
+    assert rank0["logged"] == rank1["logged"]
+    for key, value in rank0["alone"].items():
+        assert rank0["logged"][key] == pytest.approx(value, abs=1e-6), key

@@ -2,11 +2,13 @@
 evaluation with the task reward, every RL algorithm, re-initialisation per iteration, checkpoints and resume."""
 
 import copy
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -409,6 +411,44 @@ def test_iterative_trainer_reloads_the_reward_model_and_collects_fresh_pairs(qwe
     ]
     assert first_pairs[0] != first_pairs[1] and trainer.preference_pairs == first_pairs[1]
     assert trainer.rl_trainer.args.num_iterations == 1  # GRPO's mu, not the preference iterations
+
+
+class LiveRewardModels(MARLHFIterTrainer):
+    """Counts the earlier reward models still alive when each new one is built."""
+
+    def _new_reward_model(self, iteration):
+        gc.collect()
+        built = getattr(self, "built", [])
+        self.alive = getattr(self, "alive", []) + [sum(ref() is not None for ref in built)]
+        model = super()._new_reward_model(iteration)
+        self.built = built + [weakref.ref(model)]
+        return model
+
+
+def test_iterative_trainer_holds_one_reward_model_at_a_time(qwen_path, make_config):
+    """Iteration 2's reward model is built after iteration 1's is gone (model, scorer and trainer): before, both were
+    alive while the second trained."""
+    trainer = _trainer(
+        qwen_path, make_config, trainer_cls=LiveRewardModels, config=dict(num_iterations=2, num_train_epochs=1)
+    )
+    trainer.train()
+    assert trainer.alive == [0, 0]
+    gc.collect()
+    assert [ref() is not None for ref in trainer.built] == [False, True]  # the second one scores the RL stage
+    assert trainer.learned_reward.scorer.model is trainer.reward_model
+
+
+def test_an_indexed_reward_model_device_is_refused_with_several_processes():
+    from comlrl_trl.trainers.preference.marlhf_trainer import _check_reward_model_device
+
+    for device in (None, "cpu", "cuda"):  # the process's own device
+        _check_reward_model_device(device, 8)
+    _check_reward_model_device("cuda:1", 1)  # one process: its reward model on another GPU
+    with pytest.raises(ValueError) as raised:
+        _check_reward_model_device("cuda:1", 8)
+    message = str(raised.value)
+    assert "reward_model_device='cuda:1' with 8 processes would put every process's reward model on that" in message
+    assert "Leave reward_model_device=None" in message and "'cuda' without an index" in message
 
 
 # ----- checkpoints -----

@@ -177,6 +177,7 @@ class MARLHFCheckpoints(Checkpoints):
         self._load_team_state(checkpoint)
         preference = os.path.join(checkpoint, "preference")
         self.preference_pairs = load_pairs(os.path.join(preference, _PAIRS))
+        self._release_reward_model()
         model = self._new_reward_model(self.iteration)
         load_model(model, os.path.join(preference, _REWARD_MODEL))
         self._set_reward_model(model)

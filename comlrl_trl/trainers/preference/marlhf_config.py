@@ -40,7 +40,8 @@ class MARLHFConfig(PreferenceConfig):
             added). Defaults to the actors' model id; required when the actors are model objects.
         reward_model_device (`str` or `None`, *optional*, defaults to `None`):
             Device the trained reward model scores on during RL (e.g. `"cuda:1"`). `None` keeps it on the trainer's
-            device. Training runs on the trainer's device (TRL's `RewardTrainer`).
+            device. Training runs on the trainer's device (TRL's `RewardTrainer`). With several processes a device
+            with an index is refused (every process's reward model would sit on it).
         reward_learning_rate (`float`, *optional*, defaults to `1e-5`):
             AdamW learning rate of the reward model.
         reward_num_train_epochs (`float`, *optional*, defaults to `1`):

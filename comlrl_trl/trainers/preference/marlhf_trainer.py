@@ -3,6 +3,7 @@ online RL against the frozen reward model; MARLHFIter repeats both stages with f
 
 import contextlib
 import copy
+import gc
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from .reward_model import (
     RewardModelScorer,
     load_reward_backbone,
     load_reward_tokenizer,
+    score_shared,
 )
 from .rl_stage import (
     build_stage_trainer,
@@ -177,6 +179,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
             model_config=model_config,
             critic_peft_config=critic_peft_config,
         )
+        _check_reward_model_device(args.reward_model_device, self.rl_trainer.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_model: PreTrainedModel | None = None
         self.preference_pairs: list[PreferencePair] = []
@@ -348,6 +351,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
         rows = [pair.reward_model_row(self.joint_formatter, self.args.reward_use_margin) for pair in pairs]
         reward_args = copy.deepcopy(self._reward_args)
         reward_args.seed = self.args.seed + iteration
+        self._release_reward_model()  # at most one reward model at a time: the previous one goes before the new loads
         with active_deepspeed_plugin(reward_args.deepspeed_plugin):
             model = self._new_reward_model(iteration)
             trainer = JointRewardTrainer(
@@ -361,19 +365,24 @@ class MARLHFTrainer(MARLHFCheckpoints):
             trainer.remove_callback(ProgressCallback)
             output = trainer.train()
             keep_engine = zero3_enabled(trainer)
-        self._release_reward_trainer()
         if keep_engine:
             self._reward_trainer = trainer  # ZeRO-3 weights stay partitioned: scoring needs the engine's hooks
+            _drop_optimizer_moments(trainer.optimizer)
         else:
             release_accelerator(trainer.accelerator)  # the model is scored as it is; its optimiser state goes
         self._set_reward_model(trainer.model)
         return output
 
-    def _release_reward_trainer(self) -> None:
-        """Free the previous reward model's engine and optimiser state (kept under ZeRO-3 for scoring)."""
+    def _release_reward_model(self) -> None:
+        """Free the previous reward model: its engine and optimiser state (kept under ZeRO-3 for scoring), its scorer
+        and the model itself, so that it is gone before the next one is built."""
         trainer, self._reward_trainer = getattr(self, "_reward_trainer", None), None
         if trainer is not None:
             release_accelerator(trainer.accelerator)
+        self.reward_model, self.learned_reward.scorer = None, None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _set_reward_model(self, model: PreTrainedModel) -> None:
         device = self.args.reward_model_device or self.rl_trainer.accelerator.device
@@ -383,10 +392,13 @@ class MARLHFTrainer(MARLHFCheckpoints):
         )
 
     def _reward_model_metrics(self, pairs: list[PreferencePair]) -> dict[str, float]:
-        """The trained reward model on its own pairs: accuracy, mean score margin and Bradley-Terry loss."""
-        scorer = self.learned_reward.scorer
-        chosen = torch.tensor(scorer.score([self.joint_formatter(p.prompts, p.chosen) for p in pairs]))
-        rejected = torch.tensor(scorer.score([self.joint_formatter(p.prompts, p.rejected) for p in pairs]))
+        """The trained reward model on its own pairs: accuracy, mean score margin and Bradley-Terry loss.
+
+        `pairs` are every process's (gathered); each process scores its share of their texts (`score_shared`)."""
+        texts = [self.joint_formatter(p.prompts, p.chosen) for p in pairs]
+        texts += [self.joint_formatter(p.prompts, p.rejected) for p in pairs]
+        scores = torch.tensor(score_shared(self.learned_reward.scorer, texts, self.rl_trainer.accelerator))
+        chosen, rejected = scores[: len(pairs)], scores[len(pairs) :]
         margin = (
             torch.tensor([p.chosen_reward - p.rejected_reward for p in pairs]) if self.args.reward_use_margin else 0.0
         )
@@ -512,6 +524,31 @@ def _preserved_rng():
         torch.set_rng_state(states[2])
         if states[3] is not None:
             torch.cuda.set_rng_state_all(states[3])
+
+
+def _drop_optimizer_moments(optimizer) -> None:
+    """Clear the state (AdamW's moments) of the torch optimiser inside Accelerate's and DeepSpeed's wrappers.
+
+    Under ZeRO-3 the reward model's engine outlives its training (its hooks gather the partitioned weights for
+    scoring); its optimiser never steps again, so its moments (8 bytes per parameter, partitioned) go now rather than
+    when the next reward model is built. The fp32 master partitions (4 bytes per parameter) stay with the engine.
+    """
+    while optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer"):
+            optimizer.state.clear()
+            return
+        optimizer = getattr(optimizer, "optimizer", None)
+
+
+def _check_reward_model_device(device: str | None, processes: int) -> None:
+    """With several processes an indexed device (`"cuda:1"`) would hold every process's reward model; refuse it."""
+    if device is None or processes == 1 or torch.device(device).index is None:
+        return
+    raise ValueError(
+        f"reward_model_device={device!r} with {processes} processes would put every process's reward model on that "
+        "one device. Leave reward_model_device=None (each process scores on its own device, the one Accelerate gives "
+        f"it), or use {torch.device(device).type!r} without an index (the process's current device) or 'cpu'."
+    )
 
 
 def _validate_inputs(
