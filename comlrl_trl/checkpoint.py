@@ -25,7 +25,8 @@ Hashing costs one read of every file (when saving, and on resume). With several 
 about 1/N of the checkpoint each; the main process writes the manifest (or decides the verdict) from the gathered
 digests, and an error on any process reaches every process, naming it. Rename and prune stay on the main process.
 How long a process waits for the others at these collectives is bounded by the process group's timeout,
-transformers' `ddp_timeout` (default 1800 s). Each process hashes on up to `HASH_THREADS` threads
+transformers' `ddp_timeout` (default 1800 s; `apply_ddp_timeout` sets it where transformers does not, under
+`use_cpu`). Each process hashes on up to `HASH_THREADS` threads
 (hashlib releases the GIL), each safetensors shard and optimiser file separately. Measured from the page cache on a
 shared 2-core machine: 0.5-1.2 GB/s on one thread, 0.9-1.2 GB/s on threads (2 cores). A 200 GB checkpoint (two 7B
 agents with optimiser state) then costs about 3-7 minutes on one core; with 8 free cores it is bounded by how fast
@@ -35,6 +36,7 @@ the filesystem reads.
 import atexit
 import concurrent.futures
 import contextlib
+import datetime
 import enum
 import errno
 import hashlib
@@ -338,6 +340,23 @@ def refuse_overwriting_results(output_dir: str, found: list[str]) -> None:
             "overwrite_output_dir=True (--overwrite_output_dir, or `overwrite_output_dir: true` in YAML) to replace "
             "them."
         )
+
+
+def apply_ddp_timeout(seconds: float | None) -> None:
+    """Make `ddp_timeout` the process group's timeout where transformers did not pass it.
+
+    transformers passes `ddp_timeout` to `init_process_group` on GPUs (DDP and DeepSpeed) but not under `use_cpu`,
+    where gloo kept its 30-minute default; this sets it on the default group (a local setting of each process, no
+    collective). Nothing happens without a process group, or where this torch has no way to set it.
+    """
+    import torch.distributed as dist
+
+    if seconds is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        with contextlib.suppress(Exception):
+            set_timeout(datetime.timedelta(seconds=seconds))
 
 
 def on_main_process(function, accelerator):

@@ -332,3 +332,16 @@ def test_marlhf_scores_each_preference_pair_once_across_two_ranks(tmp_path):
     assert rank0["logged"] == rank1["logged"]
     for key, value in rank0["alone"].items():
         assert rank0["logged"][key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_ddp_timeout_bounds_how_long_a_rank_waits_for_a_stalled_one(tmp_path):
+    """ddp_timeout is the process group's timeout, also under use_cpu (gloo): with ddp_timeout=3, rank 0 gives up on
+    a rank whose read stalls for 12 s after about 3 s (before, gloo's default of 1800 s had it wait out the stall)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    script = str(Path(__file__).parent / "scripts" / "hash_timeout.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    result = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    reports = [json.loads(line[len("RESULT ") :]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    rank0 = next((report for report in reports if report["rank"] == 0), None)
+    assert rank0 is not None, result.stderr[-3000:]
+    assert rank0["error"] is not None and 2.5 < rank0["seconds"] < 9, rank0

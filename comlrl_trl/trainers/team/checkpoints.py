@@ -29,6 +29,7 @@ from ...checkpoint import (
     CHECKPOINT_VERSION,
     STATE_NAME,
     RunLock,
+    apply_ddp_timeout,
     build_manifest,
     check_checkpoint_options,
     check_compatible,
@@ -85,6 +86,7 @@ class Checkpoints:
     def _claim_checkpoint_root(self) -> RunLock:
         """Check that the checkpoint root is writable and lock it for this run (one live run per directory), after
         `output_dir` (see `_claim_output_dir`)."""
+        apply_ddp_timeout(getattr(self.args, "ddp_timeout", None))  # bounds every wait for another process
         self._claim_output_dir()
         self._staging_token = new_staging_token()
         lock, root = RunLock(), self._checkpoint_root()
