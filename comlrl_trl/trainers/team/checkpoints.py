@@ -48,6 +48,7 @@ from ...checkpoint import (
     save_staged,
     stateful_objects,
     tokenizer_fingerprint,
+    verify_checkpoint,
     verify_checkpoint_once,
     write_metadata,
 )
@@ -120,7 +121,7 @@ class Checkpoints:
             resume = None
         self._resume_path = os.fspath(resume) if resume is not None else None
         if self._resume_path is not None:
-            metadata = verify_checkpoint_once(self._resume_path, self.accelerator)
+            metadata = self._verify(self._resume_path)
             check_world_size(
                 metadata.get("world_size"),
                 self.accelerator.num_processes,
@@ -135,6 +136,16 @@ class Checkpoints:
                 refuse_overwriting_results(self.args.output_dir, getattr(self, "_earlier_results", []))
         refuse_foreign_checkpoints(root, self._run_id)
         return self._resume_path
+
+    def _verify(self, checkpoint: str) -> dict[str, Any]:
+        """The checkpoint's metadata once its files are verified, every process its share (`verify_checkpoint_once`).
+
+        With `save_on_each_node` each node holds the copy its own saving process wrote and hashed, which the other
+        nodes may not see: the main process verifies its copy alone and every process takes its verdict.
+        """
+        if getattr(self.args, "save_on_each_node", False):
+            return on_main_process(lambda: verify_checkpoint(checkpoint), self.accelerator)
+        return verify_checkpoint_once(checkpoint, self.accelerator)
 
     def _announce_resume(self, checkpoint: str) -> None:
         """Say where the run resumed (on the main process, through transformers' logger, shown by default)."""
