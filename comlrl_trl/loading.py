@@ -142,8 +142,8 @@ def load_saved_adapter(source, model_kwargs: dict | None = None):
 def whole_weights():
     """Load a model with all its weights on this process even while DeepSpeed ZeRO-3 is configured.
 
-    Critics with optimisers of their own are loaded whole, outside the actors' engines, and get a DeepSpeed engine
-    of their own (`critics.critic_engine`), which partitions them under ZeRO-3 when it is built.
+    For what must be whole on every process: a critic outside ZeRO-3 (under ZeRO-3 critics load partitioned, see
+    `actor_critic.critic_loading.load_critic_backbone`) and the tiny test models `testing.py` writes to disk.
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 
