@@ -89,4 +89,5 @@ def main(root: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
     if dist.is_initialized():
+        dist.barrier()  # every rank done with its collectives before any tears Gloo down
         dist.destroy_process_group()

@@ -106,4 +106,5 @@ def _error(function) -> str | None:
 if __name__ == "__main__":
     main(sys.argv[1])
     if dist.is_initialized():
+        dist.barrier()  # every rank done with its collectives before any tears Gloo down
         dist.destroy_process_group()

@@ -223,4 +223,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     main(*sys.argv[1:])
     if dist.is_initialized():  # before Python's shutdown, which can abort (SIGABRT) with Gloo's threads busy
+        dist.barrier()  # every rank done with its collectives before any tears Gloo down
         dist.destroy_process_group()

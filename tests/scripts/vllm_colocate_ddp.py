@@ -77,4 +77,5 @@ def _digest(model) -> str:
 if __name__ == "__main__":
     main(*sys.argv[1:3])
     if dist.is_initialized():  # before Python's shutdown, which can abort (SIGABRT) with Gloo's threads busy
+        dist.barrier()  # every rank done with its collectives before any tears Gloo down
         dist.destroy_process_group()

@@ -47,4 +47,5 @@ def main(root: str, mode: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
     if dist.is_initialized():
+        dist.barrier()  # every rank done with its collectives before any tears Gloo down
         dist.destroy_process_group()
