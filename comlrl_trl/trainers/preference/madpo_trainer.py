@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
-from ...adapters.grpo import AgentGRPOTrainer, completion_text
+from ...adapters.grpo import AgentGRPOTrainer, _cpu_head, completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
 from ...loading import is_peft_model
@@ -31,8 +31,15 @@ def sequence_logps(
     completion_mask,
     chunk: int | None = None,
     num_forwards: int | None = None,
+    fused_head: bool = False,
 ) -> torch.Tensor:
     """log π(completion | prompt) per row: the sum of the completion tokens' log-probabilities (temperature 1).
+
+    `fused_head`: `model` carries TRL's fused log-probability head (`trl.trainer.utils.add_fused_lm_head`, which
+    TRL's `GRPOTrainer` adds to every agent and reference model, as MAGRPO's loss uses it). The completion tokens are
+    then scored in tiles of at most 4096 tokens x 32768 vocabulary entries (`trl.kernels.chunked_logprob`), whose
+    backward recomputes each tile, so neither the forward nor the backward holds the rows x tokens x vocabulary
+    logits (32 rows x 1024 tokens x 152k entries is 20 GB in fp32). Without it the model's logits are materialised.
 
     `chunk`: forward at most this many rows at a time (for no-grad passes: the logits of all rows at once are
     rows x tokens x vocabulary floats). `num_forwards`: run exactly this many forwards (at least
@@ -46,9 +53,9 @@ def sequence_logps(
     if total < len(starts):
         raise ValueError(f"num_forwards={total} is fewer than the {len(starts)} chunks of {rows} rows.")
     tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    logps = [_rows_logps(model, *(t[i : i + size] for t in tensors)) for i in starts]
+    logps = [_rows_logps(model, *(t[i : i + size] for t in tensors), fused_head) for i in starts]
     for _ in range(total - len(starts)):
-        _rows_logps(model, *(t[:1] for t in tensors))  # a padding forward: only its collectives matter
+        _rows_logps(model, *(t[:1] for t in tensors), fused_head)  # a padding forward: only its collectives matter
     return torch.cat(logps)
 
 
@@ -61,10 +68,16 @@ def forwards_needed(rows: list[int], chunk: int, accelerator) -> list[int]:
     return accelerator.gather(local[None]).amax(dim=0).tolist()
 
 
-def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fused_head=False) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.size(1)
+    if fused_head:  # the completion tokens' labels only; the head scores them in tiles (see `sequence_logps`)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, : prompt_ids.size(1)] = -100
+        with _cpu_head():  # on a CPU: completion positions only and the in-place backward, as MAGRPO runs it
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        return (out.log_probs[:, -width:] * completion_mask).sum(dim=1)  # log_probs[t - 1] scores token t
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False
     ).logits
@@ -83,7 +96,12 @@ class MADPOAgent(AgentGRPOTrainer):
         weight = inputs["pair_weight"]
         num_pairs = weight.size(0)
         logps = sequence_logps(
-            model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            fused_head=True,
         )
         own = dpo_logratio(logps[:num_pairs], logps[num_pairs:]) - inputs["ref_logratio"]
         per_pair = madpo_loss(own, inputs["others_logratio"], self.args.dpo_beta)
@@ -268,6 +286,7 @@ class MADPOTrainer(TeamTrainer):
             batch["completion_mask"],
             self.args.per_device_train_batch_size,
             num_forwards,
+            True,  # TRL's fused head, on every agent and reference model
         )  # no-grad forwards in chunks of a micro-batch's rows, as many on every process
         logps = sequence_logps(agent.model, *inputs)
         policy = dpo_logratio(logps[:num_pairs], logps[num_pairs:])
