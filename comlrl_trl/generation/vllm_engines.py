@@ -33,7 +33,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -43,10 +43,139 @@ from transformers import PreTrainedTokenizerBase
 from ..loading import architecture, base_model, is_peft_model
 
 
-__all__ = ["TeamVLLM", "check_one_architecture", "plan_weights"]
+__all__ = ["ColocateMemory", "TeamVLLM", "check_one_architecture", "colocate_memory", "plan_weights"]
 
 # The ranks a vLLM LoRA engine accepts (vllm.config.lora.MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class ColocateMemory(NamedTuple):
+    """Bytes per GPU of a team trained next to a colocated vLLM engine (`colocate_memory`)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    engine: float
+    device: float
+
+    @property
+    def training(self) -> float:
+        """The agents' parameters, gradients and optimiser state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.training + self.engine
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device
+
+
+def colocate_memory(
+    params: int,
+    *,
+    agents: int,
+    dtype_bytes: int,
+    world_size: int,
+    zero_stage: int,
+    trainable_fraction: float = 1.0,
+    gpu_memory_utilization: float,
+    device_bytes: float,
+) -> ColocateMemory:
+    """Bytes per GPU of `agents` agents of `params` parameters each, trained under ZeRO stage `zero_stage` (0: DDP, no
+    DeepSpeed) on `world_size` GPUs, plus the colocated vLLM engine, against the device's `device_bytes`.
+
+    Per agent, with P parameters of `dtype_bytes` bytes, T = `trainable_fraction` x P trainable (1 for full
+    fine-tuning, the adapter's share of the parameters for LoRA) and W = `world_size`:
+
+    - parameters: P x `dtype_bytes`, divided by W under ZeRO-3 (every agent holds its own copy, LoRA base included);
+    - gradients: T x `dtype_bytes`, divided by W under ZeRO-2 and 3;
+    - optimiser (AdamW): under DeepSpeed with 16-bit weights, an fp32 master copy and two fp32 moments, 12 x T bytes;
+      otherwise two moments in the weights' dtype, 2 x `dtype_bytes` x T; divided by W under ZeRO-1, 2 and 3;
+    - the engine: `gpu_memory_utilization` x `device_bytes` (vLLM takes that share for its weights and KV cache).
+
+    Activations, CUDA context and fragmentation come on top, so a team this says does not fit cannot fit; one it says
+    fits may still run out of memory.
+
+    Example (two 7.6B agents, full fine-tuning in bf16 under ZeRO-2 on 8 GPUs of 80 GB, engine at 0.3):
+
+    ```python
+    >>> m = colocate_memory(7.6e9, agents=2, dtype_bytes=2, world_size=8, zero_stage=2, gpu_memory_utilization=0.3,
+    ...                     device_bytes=80e9)
+    >>> m.training / 1e9, m.engine / 1e9, m.fits  # 2 x (15.2 + 1.9 + 11.4) GB, 24 GB, 81 > 80
+    (57.0, 24.0, False)
+    ```
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"`zero_stage` must be 0 (no DeepSpeed), 1, 2 or 3, got {zero_stage}.")
+    trainable = trainable_fraction * params
+    parameters = params * dtype_bytes / (world_size if zero_stage >= 3 else 1)
+    gradients = trainable * dtype_bytes / (world_size if zero_stage >= 2 else 1)
+    per_trainable = 12 if zero_stage >= 1 and dtype_bytes < 4 else 2 * dtype_bytes
+    optimizer = trainable * per_trainable / (world_size if zero_stage >= 1 else 1)
+    return ColocateMemory(
+        parameters=agents * parameters,
+        gradients=agents * gradients,
+        optimizer=agents * optimizer,
+        engine=gpu_memory_utilization * device_bytes,
+        device=device_bytes,
+    )
+
+
+def check_colocate_memory(memory: ColocateMemory, *, agents: int, world_size: int, zero_stage: int) -> None:
+    """Raise a ValueError with the numbers and the fixes when `memory` (`colocate_memory`) does not fit the device."""
+    if memory.fits:
+        return
+    gb = 1e9
+    raise ValueError(
+        f"use_vllm=True with vllm_mode='colocate' cannot fit one GPU: the {agents} agents' training state takes "
+        f"{memory.training / gb:.1f} GB per GPU (parameters {memory.parameters / gb:.1f} GB, gradients "
+        f"{memory.gradients / gb:.1f} GB, optimizer {memory.optimizer / gb:.1f} GB; "
+        f"{'ZeRO-' + str(zero_stage) if zero_stage else 'no DeepSpeed'} on {world_size} GPU(s)) and the vLLM engine "
+        f"{memory.engine / gb:.1f} GB (vllm_gpu_memory_utilization x the device), {memory.total / gb:.1f} GB in all, "
+        f"more than the device's {memory.device / gb:.1f} GB, before activations. Fixes: LoRA agents (peft_config); "
+        "ZeRO-2 with more GPUs (gradients and optimizer state are divided among them); a lower "
+        "vllm_gpu_memory_utilization; or vllm_mode='server' (the engine on GPUs of its own). docs/scaling.md has a "
+        "table of the shapes that fit."
+    )
+
+
+def _zero_stage() -> int:
+    """The ZeRO stage of the run's DeepSpeed plugin (Accelerate's state), 0 without DeepSpeed."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if not AcceleratorState._shared_state:
+        return 0
+    state = AcceleratorState()
+    if state.distributed_type != DistributedType.DEEPSPEED or state.deepspeed_plugin is None:
+        return 0
+    return int(state.deepspeed_plugin.zero_stage)
+
+
+def team_colocate_memory(
+    models: Sequence[nn.Module],
+    *,
+    world_size: int,
+    zero_stage: int,
+    gpu_memory_utilization: float,
+    device_bytes: float,
+) -> ColocateMemory:
+    """`colocate_memory` of a team of models of one architecture: the parameters and dtype counted, the trainable
+    fraction of all of them (parameters with `requires_grad`)."""
+    params = sum(p.numel() for p in models[0].parameters())
+    trainable = sum(p.numel() for model in models for p in model.parameters() if p.requires_grad)
+    return colocate_memory(
+        params,
+        agents=len(models),
+        dtype_bytes=_weights_dtype(models[0]).itemsize,
+        world_size=world_size,
+        zero_stage=zero_stage,
+        trainable_fraction=trainable / (params * len(models)),
+        gpu_memory_utilization=gpu_memory_utilization,
+        device_bytes=device_bytes,
+    )
 
 
 def _is_lora_adapter(model: nn.Module) -> bool:
@@ -352,6 +481,17 @@ class TeamVLLM(_TeamSampling):
                 f"`dtype`='auto' takes the weights' dtype, and the agents' weights have several ({', '.join(dtypes)}): "
                 "pass `dtype` (the one engine's dtype; weights are cast to it when loaded)."
             )
+        if torch.cuda.is_available():  # no device memory to check on CPU
+            world_size = _distributed()[1]
+            stage = _zero_stage()
+            memory = team_colocate_memory(
+                models,
+                world_size=world_size,
+                zero_stage=stage,
+                gpu_memory_utilization=gpu_memory_utilization,
+                device_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+            )
+            check_colocate_memory(memory, agents=len(models), world_size=world_size, zero_stage=stage)
         self._sleep_mode = _sleep_mode_setting(sleep_mode)
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is far larger
