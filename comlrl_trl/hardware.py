@@ -5,6 +5,7 @@ import functools
 import os
 
 import torch
+from accelerate.utils import DistributedType
 from transformers.utils import is_torch_bf16_gpu_available
 
 
@@ -110,6 +111,38 @@ def training_autocast(accelerator, bf16: bool):
     if bf16 and not accelerator.native_amp:
         return torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16)
     return accelerator.autocast()
+
+
+def enable_cpu_fp16(accelerator) -> None:
+    """Give an Accelerator told `fp16` on a CPU what it gives one on a GPU: fp16 autocast and its own loss scaler.
+
+    Accelerate ignores `mixed_precision="fp16"` on a CPU (no scaler, no autocast: the run silently trains in fp32).
+    torch has fp16 autocast and a `GradScaler` on the CPU too, so the same path as on a GPU is switched on here: the
+    forward under fp16 autocast, `scaler.scale(loss).backward()` (`accelerator.backward`), the gradients unscaled
+    before clipping (`accelerator.clip_grad_norm_`), and `scaler.step`/`scaler.update` in the prepared optimiser,
+    which skips the step when a gradient is inf or nan and halves the scale. Call it before the optimiser is
+    prepared (the prepared optimiser takes the accelerator's scaler). A no-op elsewhere, and under DeepSpeed (its own
+    fp16 loss scaling).
+    """
+    if (
+        accelerator.mixed_precision != "fp16"
+        or accelerator.device.type != "cpu"
+        or accelerator.scaler is not None
+        or accelerator.distributed_type == DistributedType.DEEPSPEED
+    ):
+        return
+    if not torch.amp.is_autocast_available("cpu"):
+        raise ValueError("fp16=True on a CPU needs torch's CPU autocast; this torch build has none. Use bf16 or fp32.")
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
+def rollout_dtype(fp16: bool, bf16: bool) -> str:
+    """The dtype of the team's colocated vLLM engines: the training forward's (fp16 or bf16), else the checkpoint's.
+
+    Sampling in the precision the loss forward runs in keeps the training-inference mismatch small (fp16's 10
+    mantissa bits against bf16's 7; docs/scaling.md, "Precision on GPUs")."""
+    return "float16" if fp16 else "bfloat16" if bf16 else "auto"
 
 
 def matmul_gflops(

@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from ..hardware import enable_cpu_fp16
 from .call_overheads import fewer_fixed_costs
 from .cpu_logprob import CpuChunkedLogProb
 from .decoding import lean_decoding
@@ -498,6 +499,12 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def _build_accelerator_args(self, **kwargs):
         return accelerator_args_reusing_deepspeed(super()._build_accelerator_args(**kwargs))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers' Accelerator of this agent; with `fp16` on a CPU, with fp16 autocast and its own loss scaler
+        (`hardware.enable_cpu_fp16`), which Accelerate creates on GPUs only. Each agent's Accelerator owns its scaler."""
+        super().create_accelerator_and_postprocess()
+        enable_cpu_fp16(self.accelerator)
 
 
 class _TeamEngineSync:

@@ -38,7 +38,7 @@ from ...adapters.team import TeamGRPOTrainer, TrainingPlan
 from ...agent_overrides import agent_config
 from ...checkpoint import model_fingerprint
 from ...formatters import build_formatters
-from ...hardware import keep_freed_cpu_memory
+from ...hardware import keep_freed_cpu_memory, rollout_dtype
 from ...inputs import (
     check_datasets,
     check_trainer_inputs,
@@ -283,7 +283,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 tokenizers,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=args.vllm_max_model_length,
-                dtype="bfloat16" if args.bf16 else "auto",
+                dtype=rollout_dtype(args.fp16, args.bf16),
                 lora_mode=args.vllm_lora_mode,
                 # on wherever vLLM offers it (CUDA); TRL's vllm_enable_sleep_mode=True insists on it
                 sleep_mode=True if args.vllm_enable_sleep_mode else None,
