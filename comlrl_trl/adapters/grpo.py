@@ -170,6 +170,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             torch.no_grad(),
             fewer_fixed_costs(),
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
+            _head_outside_autocast(self.model) if self.args.cast_lm_head_to_fp32 else nullcontext(),
             nullcontext()
             if self.use_vllm
             else packed_linear_weights(
@@ -575,6 +576,32 @@ def _cpu_head():
     (`_head_scores_completions_only`) and the in-place backward of `adapters/cpu_logprob.py` (TRL's values)."""
     with _head_scores_completions_only(), attribute_replaced(_TRL_UTILS, "_ChunkedLogProbFunction", CpuChunkedLogProb):
         yield
+
+
+@contextmanager
+def _head_outside_autocast(model: torch.nn.Module):
+    """Keep the LM head in fp32 while generating under autocast, as `cast_lm_head_to_fp32` asks.
+
+    TRL's fp32 head (`cast_lm_head_to_fp32`) casts its input and weight to fp32 and calls `F.linear`, which the
+    generation's autocast (this package generates in the training precision; TRL in the weights' dtype) would turn
+    back into a bf16/fp16 product: the head's forward runs with autocast off for the block.
+    """
+    head = model.get_output_embeddings()
+    own = "forward" in vars(head)
+    forward = head.forward
+
+    def fp32_forward(*args, **kwargs):
+        with torch.autocast(device_type=head.weight.device.type, enabled=False):
+            return forward(*args, **kwargs)
+
+    head.forward = fp32_forward
+    try:
+        yield
+    finally:
+        if own:
+            head.forward = forward
+        else:
+            del head.forward
 
 
 @contextmanager
