@@ -379,3 +379,18 @@ def test_invalid_arguments_name_the_argument(tied_path, tied_team, tmp_path):
         TeamVLLM([_load(tied_path), _load(tied_path).to(torch.bfloat16)], [tokenizer] * 2)
     with pytest.raises(ValueError, match="`sleep_mode`=True, but vLLM's cpu platform has no sleep mode"):
         TeamVLLM([_load(tied_path)], [tokenizer], sleep_mode=True)
+
+
+def test_the_engine_length_comes_from_the_runs_prompt_limit_and_the_batched_tokens_from_trls_cap(tied_path):
+    tokenizer = AutoTokenizer.from_pretrained(tied_path)
+    team = TeamVLLM([_load(tied_path)], [tokenizer], max_completion_length=MAX_NEW, max_prompt_length=10, seed=0)
+    try:
+        engine = team._llm.llm_engine
+        assert engine.model_config.max_model_len == 10 + MAX_NEW  # not the model's 256
+        assert engine.vllm_config.scheduler_config.max_num_batched_tokens == 4096  # TRL's cap
+        completions, _ = team.generate(0, [[5] * 10])
+        assert 1 <= len(completions[0]) <= MAX_NEW
+        with pytest.raises(ValueError, match=f"`max_model_length`={10 + MAX_NEW}"):
+            team.generate(0, [[5] * 11])
+    finally:
+        team.close()

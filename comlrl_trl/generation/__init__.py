@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 
 if TYPE_CHECKING:
-    from .vllm_engines import TeamVLLM, check_one_architecture, plan_weights
+    from .vllm_engines import TeamVLLM, check_one_architecture, colocate_memory, engine_lengths, plan_weights
     from .vllm_server import TeamVLLMServer
 
-__all__ = ["TeamVLLM", "TeamVLLMServer", "check_one_architecture", "plan_weights"]
+__all__ = ["TeamVLLM", "TeamVLLMServer", "check_one_architecture", "colocate_memory", "engine_lengths", "plan_weights"]
 
 
 def __getattr__(name: str) -> Any:

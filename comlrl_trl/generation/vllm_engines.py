@@ -43,7 +43,14 @@ from transformers import PreTrainedTokenizerBase
 from ..loading import architecture, base_model, is_peft_model
 
 
-__all__ = ["ColocateMemory", "TeamVLLM", "check_one_architecture", "colocate_memory", "plan_weights"]
+__all__ = [
+    "ColocateMemory",
+    "TeamVLLM",
+    "check_one_architecture",
+    "colocate_memory",
+    "engine_lengths",
+    "plan_weights",
+]
 
 # The ranks a vLLM LoRA engine accepts (vllm.config.lora.MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -176,6 +183,50 @@ def team_colocate_memory(
         gpu_memory_utilization=gpu_memory_utilization,
         device_bytes=device_bytes,
     )
+
+
+# TRL's colocate engine passes this: vLLM v1's memory profiler, run with its default (far larger), concludes that
+# the KV cache does not fit next to the trainer's models.
+_TRL_MAX_NUM_BATCHED_TOKENS = 4096
+
+
+def engine_lengths(
+    *,
+    max_prompt_length: int | None,
+    max_completion_length: int,
+    max_position_embeddings: int | None = None,
+    max_model_length: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> dict[str, int | None]:
+    """The engine's `max_model_len` and `max_num_batched_tokens`, derived from the run unless the user set them.
+
+    `max_model_len`: the user's `max_model_length`; else the longest prompt plus the longest completion,
+    `max_prompt_length + max_completion_length` (the trainers truncate the prompt of every turn, later turns' prompts
+    with the history included, to `max_prompt_length`, so this bounds every turn of a multi-turn run), at most the
+    model's `max_position_embeddings`; `None` (vLLM takes the model's length) without `max_prompt_length`. A smaller
+    `max_model_len` than the model's leaves vLLM more memory for the KV cache of the rows it runs at once.
+
+    `max_num_batched_tokens`: the user's; else 4096, as TRL's colocate engine (vLLM's own default misleads its memory
+    profiler into refusing to start next to the trainer's models).
+
+    ```python
+    >>> engine_lengths(max_prompt_length=2048, max_completion_length=256, max_position_embeddings=32768)
+    {'max_model_len': 2304, 'max_num_batched_tokens': 4096}
+    ```
+    """
+    if max_model_length is None and max_prompt_length is not None:
+        max_model_length = max_prompt_length + max_completion_length
+        if max_position_embeddings is not None:
+            max_model_length = min(max_model_length, max_position_embeddings)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = _TRL_MAX_NUM_BATCHED_TOKENS
+    return {"max_model_len": max_model_length, "max_num_batched_tokens": max_num_batched_tokens}
+
+
+def _empty_cache() -> None:
+    """Return PyTorch's cached, unused blocks to the GPU (TRL does so before waking its engine); nothing on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _is_lora_adapter(model: nn.Module) -> bool:
@@ -408,7 +459,14 @@ class TeamVLLM(_TeamSampling):
             and optimiser states need the rest. On CPU, vLLM only checks that this fraction of the RAM is free when
             the engine starts; the KV cache takes `VLLM_CPU_KVCACHE_SPACE` GiB (set to 2 here unless already set).
         max_model_length (`int`, *optional*):
-            Longest prompt plus completion, in tokens. Defaults to the model's `max_position_embeddings`.
+            Longest prompt plus completion, in tokens. Defaults to `max_prompt_length + max_completion_length` (at
+            most the model's `max_position_embeddings`), or the model's `max_position_embeddings` without
+            `max_prompt_length` (`engine_lengths`).
+        max_prompt_length (`int`, *optional*):
+            The run's longest prompt in tokens (the trainers' `max_prompt_length`, which bounds every turn's prompt);
+            sets the default `max_model_length`.
+        max_num_batched_tokens (`int`, *optional*):
+            vLLM's token budget of one scheduler step. Defaults to 4096, as TRL's colocate engine.
         seed (`int`, *optional*):
             With a seed, every sample gets its own seed derived from `(seed, [process,] agent_index, call number,
             row)`, so the same calls give the same completions. Without one, sampling is not reproducible.
@@ -419,7 +477,8 @@ class TeamVLLM(_TeamSampling):
             Skip vLLM's graph compilation and CUDA graphs. Defaults to `False` on CUDA (CUDA graphs make decoding
             faster) and `True` elsewhere (on CPU compilation took minutes and brought no speed).
         sleep_mode (`bool`, *optional*):
-            Free the engine's GPU memory while the agents train (`sleep()`; the next `generate` wakes it). Defaults to
+            Free the engine's GPU memory while the agents train (`sleep()`; the next `generate` wakes it); the engine
+            is asleep from construction, so the agents' DeepSpeed/accelerate preparation has the memory. Defaults to
             on where vLLM's platform offers sleep mode (CUDA) and off elsewhere; `True` where it is not offered (the
             CPU build) is an error.
         lora_mode (`str`, *optional*, defaults to `"adapter"`):
@@ -451,6 +510,8 @@ class TeamVLLM(_TeamSampling):
         max_completion_length: int = 256,
         gpu_memory_utilization: float = 0.3,
         max_model_length: int | None = None,
+        max_prompt_length: int | None = None,
+        max_num_batched_tokens: int | None = None,
         seed: int | None = None,
         dtype: str = "auto",
         enforce_eager: bool | None = None,
@@ -515,16 +576,26 @@ class TeamVLLM(_TeamSampling):
         self._resident: int | None = None  # the group whose weights the engine holds (None: random or dropped)
         self._stale: set[int] = set()  # groups whose weights changed since they were loaded
         self._asleep: int | None = None  # the sleep level the engine is in
+        self._asleep_parts: set[str] = set()  # what is still asleep: "weights", "kv_cache"
         self.weight_loads = [0] * len(self._groups)
         """How often each group's weights (`weight_groups`) were loaded into the engine."""
         self.load_seconds = 0.0
         """Time spent loading weights into the engine, in seconds."""
-        self._llm = self._build_engine(models, dtype, max_model_length, gpu_memory_utilization, enforce_eager)
+        lengths = engine_lengths(
+            max_prompt_length=max_prompt_length,
+            max_completion_length=max_completion_length,
+            max_position_embeddings=getattr(base_model(models[0]).config, "max_position_embeddings", None),
+            max_model_length=max_model_length,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self._llm = self._build_engine(models, dtype, lengths, gpu_memory_utilization, enforce_eager)
         self._release = _engine_release(self._llm)
         self._max_model_length = self._llm.llm_engine.model_config.max_model_len
         for agent, model in enumerate(models):
             if self._lora_group[self._group_of[agent]]:
                 self.sync(agent, model)
+        # asleep from the start, as TRL's engine: the agents' DeepSpeed/accelerate preparation runs after this
+        self.sleep()
 
     @property
     def num_engines(self) -> int:
@@ -545,7 +616,7 @@ class TeamVLLM(_TeamSampling):
         self,
         models: Sequence[nn.Module],
         dtype: str,
-        max_model_length: int | None,
+        lengths: dict[str, int | None],
         gpu_memory_utilization: float,
         enforce_eager: bool | None,
     ) -> Any:
@@ -582,7 +653,7 @@ class TeamVLLM(_TeamSampling):
                 generation_config="vllm",
                 dtype=dtype,
                 seed=(0 if self.seed is None else self.seed) + self._rank,
-                max_model_len=max_model_length,
+                **lengths,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
                 logprobs_mode="processed_logprobs",
@@ -592,7 +663,7 @@ class TeamVLLM(_TeamSampling):
     def _load(self, group: int) -> None:
         """Make the engine hold `group`'s current weights (a LoRA group's frozen base, or an agent's merged weights),
         unless it already does."""
-        self._wake()
+        self._wake_weights()
         if self._resident == group and group not in self._stale:
             return
         start = time.perf_counter()
@@ -632,7 +703,7 @@ class TeamVLLM(_TeamSampling):
             return
         from vllm.lora.request import LoRARequest
 
-        self._wake()
+        self._wake_weights()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         path = os.path.join(self._tmp.name, f"agent-{agent_index}-lora-{lora_id}")
         _write_adapter(model, path)
@@ -649,19 +720,32 @@ class TeamVLLM(_TeamSampling):
 
         Level 2 (weights and KV cache dropped) when no agent is a LoRA adapter: the next generation loads its agent's
         weights from the model anyway. Level 1 (weights moved to CPU memory, KV cache dropped) otherwise, so the base
-        and the loaded adapters come back as they were.
+        and the loaded adapters come back as they were. The engine is put to sleep as soon as it is built.
+
+        Waking follows TRL's colocate engine: PyTorch's cached blocks are returned to the GPU (`empty_cache`), then the
+        weights wake (`wake_up(tags=["weights"])`) and are loaded or synced, and the KV cache wakes last, just before
+        the engine generates (`wake_up(tags=["kv_cache"])`), so it is never allocated while weights are copied.
         """
         if not self._sleep_mode or self._asleep is not None:
             return
         level = 1 if any(self._lora_group) else 2
         self._llm.sleep(level=level)
         self._asleep = level
+        self._asleep_parts = {"weights", "kv_cache"}
         if level == 2:
             self._resident = None
 
-    def _wake(self) -> None:
-        if self._asleep is not None:
-            self._llm.wake_up()
+    def _wake_weights(self) -> None:
+        if "weights" in self._asleep_parts:
+            _empty_cache()  # PyTorch's cached blocks back to the GPU first, as TRL does
+            self._llm.wake_up(tags=["weights"])
+            self._asleep_parts.discard("weights")
+
+    def _wake_kv_cache(self) -> None:
+        if "kv_cache" in self._asleep_parts:
+            self._llm.wake_up(tags=["kv_cache"])
+            self._asleep_parts.discard("kv_cache")
+        if not self._asleep_parts:
             self._asleep = None
 
     def generate(self, agent_index: int, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -681,7 +765,8 @@ class TeamVLLM(_TeamSampling):
         self._check_agent(agent_index)
         group = self._group_of[agent_index]
         self._check_rows(prompt_ids, self._max_model_length, "raise `max_model_length`")
-        self._load(group)
+        self._load(group)  # wakes the weights first
+        self._wake_kv_cache()  # after the weights are in, as TRL
         key = (self._rank,) if self._world_size > 1 else ()
         seeds = self._next_seeds(agent_index, len(prompt_ids), *key)
         params = [
