@@ -150,10 +150,10 @@ def check_colocate_memory(memory: ColocateMemory, *, agents: int, world_size: in
 
 def _zero_stage() -> int:
     """The ZeRO stage of the run's DeepSpeed plugin (Accelerate's state), 0 without DeepSpeed."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, is_initialized
     from accelerate.utils import DistributedType
 
-    if not AcceleratorState._shared_state:
+    if not is_initialized():
         return 0
     state = AcceleratorState()
     if state.distributed_type != DistributedType.DEEPSPEED or state.deepspeed_plugin is None:

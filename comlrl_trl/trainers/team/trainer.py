@@ -283,6 +283,7 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                 tokenizers,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=args.vllm_max_model_length,
+                max_prompt_length=args.max_prompt_length,
                 dtype=rollout_dtype(args.fp16, args.bf16),
                 lora_mode=args.vllm_lora_mode,
                 # on wherever vLLM offers it (CUDA); TRL's vllm_enable_sleep_mode=True insists on it
