@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .sandbox import SandboxResult, printable
+from .sandbox import SandboxResult, parse, printable
 
 
 HELPER_NAME = "aux"
@@ -64,7 +64,7 @@ def parse_bounded(code: str) -> tuple[ast.Module | None, str | None]:
     if len(code) > MAX_COMPLETION_CHARS:
         return None, "too long"
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except _PARSE_ERRORS as error:
         return None, type(error).__name__
     if _deeper_than(tree, MAX_AST_DEPTH):
@@ -153,7 +153,7 @@ def parses(code: str) -> bool:
 def _syntax_error_line(code: str) -> int | None:
     """None when `code` parses, else the line of the error (past the end when unknown)."""
     try:
-        ast.parse(code)
+        parse(code)
     except SyntaxError as error:
         return error.lineno or code.count("\n") + 2
     except _PARSE_ERRORS:

@@ -85,7 +85,7 @@ from .coding import (
     run_parallel,
     with_feedback,
 )
-from .sandbox import SandboxResult, run_python
+from .sandbox import SandboxResult, parse, run_python
 
 
 SANDBOX_TIMEOUT = 4.0  # seconds per program (interpreter start-up included); some tests loop 100 times
@@ -147,7 +147,7 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
     data flow cannot be read from the source (`globals()`, `exec`, `global`, ...), the whole body of `check` is
     one test.
     """
-    tree = ast.parse(test)
+    tree = parse(test)
     checks = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
     if len(checks) != 1 or len(checks[0].args.args) != 1:
         raise ValueError(f"test must define one function `check(candidate)`; got:\n{test[:300]}")
@@ -158,7 +158,7 @@ def split_check(test: str, prompt: str, entry_point: str) -> tuple[str, tuple[st
     context = prompt_context(prompt, entry_point)
     if context:
         setup.append(context)
-    trusted = [*module, *(ast.parse(context).body if context else [])]
+    trusted = [*module, *(parse(context).body if context else [])]
     imports = {  # bound name: the module it comes from
         alias.asname or alias.name.split(".")[0]: (node.module if isinstance(node, ast.ImportFrom) else alias.name)
         or ""
@@ -409,7 +409,7 @@ def _base_names(node: ast.expr) -> set[str]:
 @functools.lru_cache(maxsize=1024)
 def prompt_context(prompt: str, entry_point: str) -> str:
     """The prompt's top-level code without the entry point's stub: imports and the helpers it gives."""
-    tree = ast.parse(prompt)
+    tree = parse(prompt)
     kept = [
         node
         for node in tree.body

@@ -206,6 +206,25 @@ def isolation_mode() -> str:
     return "fallback" if _disabled_reason() else "namespaces"
 
 
+# CPython 3.11 keeps the AST constructor's recursion count in per-interpreter state, so two threads turning source
+# into trees at once (the code rewards score joint actions on worker threads) can interleave and fail with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Every parse, and every compile of a
+# tree, in the code tasks holds this lock; running the compiled code does not.
+_AST_LOCK = threading.Lock()
+
+
+def parse(source: str, mode: str = "exec") -> ast.AST:
+    """`ast.parse(source, mode=mode)`, one thread at a time (see `_AST_LOCK`)."""
+    with _AST_LOCK:
+        return ast.parse(source, mode=mode)
+
+
+def compile_tree(tree: ast.AST, mode: str):
+    """`compile(tree, "<test>", mode)`, one thread at a time (see `_AST_LOCK`)."""
+    with _AST_LOCK:
+        return compile(tree, "<test>", mode)
+
+
 def printable(text: str, keep: str = "") -> str:
     """`text` with every character that is not printable (control and format characters, lone surrogates, line
     and paragraph separators, ...), other than those in `keep`, replaced by its Python escape, e.g. `\\n`,
@@ -277,7 +296,7 @@ def _run_tests(
 def _check(test: str, namespace: dict) -> str | None:
     """None when the test passes, else a one-line reason. `_Timeout` and `_Crash` propagate."""
     try:
-        tree = ast.parse(test, mode="exec")
+        tree = parse(test, mode="exec")
         node = tree.body[0] if len(tree.body) == 1 else None
         if (
             isinstance(node, ast.Assert)
@@ -286,8 +305,8 @@ def _check(test: str, namespace: dict) -> str | None:
             and isinstance(node.test.ops[0], ast.Eq)
             and node.msg is None
         ):
-            got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), namespace)
-            expected = eval(compile(ast.Expression(node.test.comparators[0]), "<test>", "eval"), namespace)
+            got = eval(compile_tree(ast.Expression(node.test.left), "eval"), namespace)
+            expected = eval(compile_tree(ast.Expression(node.test.comparators[0]), "eval"), namespace)
             if got == expected:
                 return None
             return test + "  # got " + _short(repr(got), 80)
@@ -305,7 +324,7 @@ def _run_to_end(tree: ast.Module, namespace: dict) -> bool:
     marker = ast.Assign(targets=[ast.Name(flag, ast.Store())], value=ast.Constant(True))
     tree = ast.fix_missing_locations(ast.Module(body=[*tree.body, marker], type_ignores=[]))
     try:
-        exec(compile(tree, "<test>", "exec"), namespace)
+        exec(compile_tree(tree, "exec"), namespace)
     finally:
         done = namespace.pop(flag, False) is True
     return done
