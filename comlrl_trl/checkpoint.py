@@ -361,8 +361,9 @@ def apply_ddp_timeout(seconds: float | None) -> None:
 
 def on_main_process(function, accelerator):
     """`function()` on the main process only; every process gets its result, or raises its error (so that no rank
-    goes on to wait for a rank that stopped)."""
-    if accelerator.num_processes == 1:
+    goes on to wait for a rank that stopped). Without several processes (`accelerator` None or of one), just
+    `function()`."""
+    if not _distributed(accelerator):
         return function()
     from accelerate.utils import broadcast_object_list
 
@@ -498,9 +499,17 @@ def _distributed(accelerator) -> bool:
     return accelerator is not None and accelerator.num_processes > 1
 
 
+def _process(accelerator) -> tuple[int, int]:
+    """`(index, count)` of this process among the run's, `(0, 1)` without several processes."""
+    return (accelerator.process_index, accelerator.num_processes) if _distributed(accelerator) else (0, 1)
+
+
 def on_every_process(function, accelerator, what: str) -> list[Any]:
     """`function()` on every process; every process gets the results of all, in rank order, or raises on every process
-    the error of the first process that failed (named), so that no rank is left waiting for one that stopped."""
+    the error of the first process that failed (named), so that no rank is left waiting for one that stopped.
+    Without several processes, `[function()]` (its error raised as it is)."""
+    if not _distributed(accelerator):
+        return [function()]
     from accelerate.utils import gather_object
 
     try:
@@ -521,11 +530,11 @@ def hash_files(paths: list[str], sizes: list[int], accelerator=None) -> list[str
     With several processes each hashes its share (`hash_shares`) and every process gets all digests; an error on
     any process (an unreadable file) is raised on every process, naming the process.
     """
-    if not _distributed(accelerator):
-        return _sha256_all(paths)
-    shares = hash_shares(sizes, accelerator.num_processes)
-    mine = shares[accelerator.process_index]
-    results = on_every_process(lambda: _sha256_all([paths[i] for i in mine]), accelerator, "hashing checkpoint files")
+    rank, processes = _process(accelerator)
+    shares = hash_shares(sizes, processes)
+    results = on_every_process(
+        lambda: _sha256_all([paths[i] for i in shares[rank]]), accelerator, "hashing checkpoint files"
+    )
     digests: list[str] = [""] * len(paths)
     for share, share_digests in zip(shares, results):
         for index, digest in zip(share, share_digests):
@@ -551,9 +560,7 @@ def build_manifest(directory: str, accelerator=None) -> dict[str, dict[str, Any]
     With an `accelerator` of several processes, call it on every process: the main process lists the files, every
     process hashes its share of them (`hash_files`), and every process gets the whole manifest.
     """
-    files = (
-        on_main_process(lambda: _listing(directory), accelerator) if _distributed(accelerator) else _listing(directory)
-    )
+    files = on_main_process(lambda: _listing(directory), accelerator)
     paths = [os.path.join(directory, *relative.split("/")) for relative, _ in files]
     digests = hash_files(paths, [size for _, size in files], accelerator)
     return {relative: {"size": size, "sha256": digest} for (relative, size), digest in zip(files, digests)}
@@ -575,10 +582,7 @@ def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None) -> dict[s
     error (a damaged file, or a process that failed while reading, named).
     """
     checkpoint = os.fspath(checkpoint)
-    if _distributed(accelerator):
-        metadata = on_main_process(lambda: read_checkpoint_metadata(checkpoint), accelerator)
-    else:
-        metadata = read_checkpoint_metadata(checkpoint)
+    metadata = on_main_process(lambda: read_checkpoint_metadata(checkpoint), accelerator)
     manifest = metadata.get(MANIFEST_KEY)
     if manifest is None:
         warnings.warn(
@@ -586,16 +590,11 @@ def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None) -> dict[s
         )
         return metadata
     relatives = list(manifest)
-    processes = accelerator.num_processes if _distributed(accelerator) else 1
+    rank, processes = _process(accelerator)
     shares = hash_shares([manifest[relative]["size"] for relative in relatives], processes)
-    mine = [relatives[i] for i in shares[accelerator.process_index if processes > 1 else 0]]
-    if processes > 1:
-        found = on_every_process(
-            lambda: _check_files(checkpoint, manifest, mine), accelerator, "verifying " + checkpoint
-        )
-        problems = [problem for share in found for problem in share]
-    else:
-        problems = _check_files(checkpoint, manifest, mine)
+    mine = [relatives[i] for i in shares[rank]]
+    found = on_every_process(lambda: _check_files(checkpoint, manifest, mine), accelerator, "verifying " + checkpoint)
+    problems = [problem for share in found for problem in share]
     if problems:
         order = {relative: i for i, relative in enumerate(relatives)}
         problems = [text for _, text in sorted(problems, key=lambda problem: order[problem[0]])]
@@ -626,13 +625,6 @@ def _check_files(checkpoint: str, manifest: dict[str, Any], relatives: list[str]
                 (relative, f"{relative} is damaged (its sha256 differs from the one recorded when it was saved)")
             )
     return problems
-
-
-def verify_checkpoint_once(checkpoint: str | os.PathLike, accelerator) -> dict[str, Any]:
-    """`verify_checkpoint` spread over the processes: each reads its share of the files (about 1/N of the bytes,
-    instead of the main process reading them all while the others wait); every process gets the metadata, or raises
-    the same error."""
-    return verify_checkpoint(checkpoint, accelerator)
 
 
 def commit(staging: str, final: str) -> None:

@@ -105,14 +105,15 @@ def _in_hub_cache(repo_id: str) -> bool:
     return False
 
 
-def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic") -> PreTrainedModel:
-    """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object."""
+def load_causal_lm(source, model_kwargs: dict | None = None, what: str = "critic", weights=None) -> PreTrainedModel:
+    """A critic backbone from a model id, a local directory (full weights or a PEFT adapter) or a model object,
+    loaded inside the `weights()` block (default `whole_weights`: whole on this process)."""
     if isinstance(source, nn.Module):
         return source
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"{what} must be a model id, a local path or a model object, got {type(source).__name__}.")
     source = os.fspath(source)
-    with whole_weights():
+    with (weights or whole_weights)():
         adapter = load_saved_adapter(source, model_kwargs)
         return adapter if adapter is not None else AutoModelForCausalLM.from_pretrained(source, **(model_kwargs or {}))
 

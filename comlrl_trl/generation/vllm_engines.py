@@ -150,15 +150,12 @@ def check_colocate_memory(memory: ColocateMemory, *, agents: int, world_size: in
 
 def _zero_stage() -> int:
     """The ZeRO stage of the run's DeepSpeed plugin (Accelerate's state), 0 without DeepSpeed."""
-    from accelerate.state import AcceleratorState, is_initialized
-    from accelerate.utils import DistributedType
+    from accelerate.state import AcceleratorState
 
-    if not is_initialized():
-        return 0
-    state = AcceleratorState()
-    if state.distributed_type != DistributedType.DEEPSPEED or state.deepspeed_plugin is None:
-        return 0
-    return int(state.deepspeed_plugin.zero_stage)
+    from ..adapters.grpo import deepspeed_state_exists
+
+    plugin = AcceleratorState().deepspeed_plugin if deepspeed_state_exists() else None
+    return 0 if plugin is None else int(plugin.zero_stage)
 
 
 def team_colocate_memory(
@@ -542,17 +539,17 @@ class TeamVLLM(_TeamSampling):
                 f"`dtype`='auto' takes the weights' dtype, and the agents' weights have several ({', '.join(dtypes)}): "
                 "pass `dtype` (the one engine's dtype; weights are cast to it when loaded)."
             )
+        self._rank, self._world_size = _distributed()
         if torch.cuda.is_available():  # no device memory to check on CPU
-            world_size = _distributed()[1]
             stage = _zero_stage()
             memory = team_colocate_memory(
                 models,
-                world_size=world_size,
+                world_size=self._world_size,
                 zero_stage=stage,
                 gpu_memory_utilization=gpu_memory_utilization,
                 device_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
             )
-            check_colocate_memory(memory, agents=len(models), world_size=world_size, zero_stage=stage)
+            check_colocate_memory(memory, agents=len(models), world_size=self._world_size, zero_stage=stage)
         self._sleep_mode = _sleep_mode_setting(sleep_mode)
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is far larger
@@ -562,7 +559,6 @@ class TeamVLLM(_TeamSampling):
                 f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: TeamVLLM hands the weights to the engine as "
                 "tensors in this process. Unset it or set it to 0."
             )
-        self._rank, self._world_size = _distributed()
         from vllm import SamplingParams
 
         self._sampling_params = SamplingParams

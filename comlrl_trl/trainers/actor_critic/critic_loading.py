@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from ...adapters.helpers import zero_partition_dtype, zero_partitioned
-from ...loading import load_causal_lm, load_saved_adapter
+from ...loading import load_causal_lm
 from ...value_models import fp32_trainable
 
 
@@ -48,14 +47,9 @@ def load_critic_backbone(source, model_kwargs: dict[str, Any], label: str, deeps
     With the ZeRO-3 `deepspeed_plugin` of the run, an id or directory is loaded partitioned (`zero.Init`); a model
     object stays as given (DeepSpeed partitions it when the critic's engine is built). Otherwise it is loaded whole.
     """
-    if deepspeed_plugin is None or isinstance(source, nn.Module):
+    if deepspeed_plugin is None:
         return load_causal_lm(source, model_kwargs, label)
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"{label} must be a model id, a local path or a model object, got {type(source).__name__}.")
-    source = os.fspath(source)
-    with zero3_config_live(deepspeed_plugin):
-        adapter = load_saved_adapter(source, model_kwargs)
-        return adapter if adapter is not None else AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
+    return load_causal_lm(source, model_kwargs, label, weights=lambda: zero3_config_live(deepspeed_plugin))
 
 
 @contextmanager

@@ -49,7 +49,6 @@ from ...checkpoint import (
     stateful_objects,
     tokenizer_fingerprint,
     verify_checkpoint,
-    verify_checkpoint_once,
     write_metadata,
 )
 from ...integrations.wandb import WandbRunCallback
@@ -138,14 +137,14 @@ class Checkpoints:
         return self._resume_path
 
     def _verify(self, checkpoint: str) -> dict[str, Any]:
-        """The checkpoint's metadata once its files are verified, every process its share (`verify_checkpoint_once`).
+        """The checkpoint's metadata once its files are verified, every process its share (`verify_checkpoint`).
 
         With `save_on_each_node` each node holds the copy its own saving process wrote and hashed, which the other
         nodes may not see: the main process verifies its copy alone and every process takes its verdict.
         """
         if getattr(self.args, "save_on_each_node", False):
             return on_main_process(lambda: verify_checkpoint(checkpoint), self.accelerator)
-        return verify_checkpoint_once(checkpoint, self.accelerator)
+        return verify_checkpoint(checkpoint, self.accelerator)
 
     def _announce_resume(self, checkpoint: str) -> None:
         """Say where the run resumed (on the main process, through transformers' logger, shown by default)."""
