@@ -28,6 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+HISTORY = ROOT / "benchmarks" / "HISTORY.md"  # the benchmarks' lab notebook, linked from docs/benchmarks.md
 
 FENCE = re.compile(r"^(\s*)(```|~~~)\s*([\w+-]*)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -249,7 +250,7 @@ def page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+@pytest.mark.parametrize("page", [*PAGES, HISTORY], ids=page_id)
 def test_links_resolve(page):
     assert link_problems(page) == []
 
