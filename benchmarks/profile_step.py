@@ -77,7 +77,7 @@ def instrument(clock: PhaseClock) -> None:
     from transformers import Trainer
 
     from comlrl_trl.adapters.grpo import AgentGRPOTrainer
-    from comlrl_trl.adapters.joint_decoding import TeamGeneration
+    from comlrl_trl.fast.joint_decoding import TeamGeneration
     from comlrl_trl.orchestrator import JointRolloutOrchestrator
 
     clock.wrap(JointRolloutOrchestrator, "_score_agents", "scoring")

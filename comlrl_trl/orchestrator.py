@@ -25,11 +25,11 @@ import torch
 
 from .adapters.grpo import Rollout, completion_text
 from .adapters.helpers import gradient_checkpointing_disabled
-from .adapters.joint_decoding import TeamGeneration
 from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
 from .core.returns import suffix_returns, tree_returns
+from .fast.joint_decoding import TeamGeneration
 from .formatters import Formatter, check_prompt, format_prompt
 from .hardware import training_autocast
 from .joint_reward import JointReward, accepts_keyword

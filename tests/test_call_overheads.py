@@ -1,4 +1,4 @@
-"""The fixed costs taken out of a `generate` call (`adapters/call_overheads.py`): the same processing, fewer lookups."""
+"""The fixed costs taken out of a `generate` call (`fast/call_overheads.py`): the same processing, fewer lookups."""
 
 import inspect
 
@@ -15,8 +15,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from comlrl_trl.adapters import call_overheads
-from comlrl_trl.adapters.call_overheads import fewer_fixed_costs
+from comlrl_trl.fast import call_overheads
+from comlrl_trl.fast.call_overheads import fewer_fixed_costs
 
 
 TRANSFORMERS_CALL = LogitsProcessorList.__call__

@@ -117,7 +117,7 @@ bf16_kernels = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features,in_features", [(576, 576), (1536, 576), (576, 1536), (4096, 64), (17, 33)])
 def test_packed_linear_equals_autocast_linear_bit_for_bit(out_features, in_features, bias):
-    from comlrl_trl.adapters.packed_linear import PackedLinear
+    from comlrl_trl.fast.packed_linear import PackedLinear
 
     torch.manual_seed(out_features + in_features)
     layer = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -135,7 +135,7 @@ def test_packed_linear_equals_autocast_linear_bit_for_bit(out_features, in_featu
 def test_packed_generation_samples_the_same_tokens_with_the_same_scores(qwen_path):
     from transformers import AutoModelForCausalLM
 
-    from comlrl_trl.adapters.packed_linear import PackedLinear, packed_linear_weights
+    from comlrl_trl.fast.packed_linear import PackedLinear, packed_linear_weights
 
     model = AutoModelForCausalLM.from_pretrained(qwen_path)
     prompt = torch.tensor([[5, 9, 14, 3, 7]] * 4)
@@ -155,7 +155,7 @@ def test_packed_generation_samples_the_same_tokens_with_the_same_scores(qwen_pat
 
 
 def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_error():
-    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+    from comlrl_trl.fast.packed_linear import packed_linear_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     hooked = model[2].forward = lambda x: x  # something else replaced this one: it is left alone
@@ -173,7 +173,7 @@ def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_
 
 @bf16_kernels
 def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
-    from comlrl_trl.adapters.packed_linear import PackedLinear
+    from comlrl_trl.fast.packed_linear import PackedLinear
 
     trainer = make_team(bf16=True, use_cpu=True)
     calls = []
@@ -189,7 +189,7 @@ def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
 
 
 def test_packing_falls_back_to_the_layers_own_forward_where_onednn_cannot_pack(monkeypatch, caplog):
-    from comlrl_trl.adapters import packed_linear
+    from comlrl_trl.fast import packed_linear
 
     def refuse(weight, rows):
         raise RuntimeError("bf16 path needs the cpu support avx512bw")
@@ -204,7 +204,7 @@ def test_packing_falls_back_to_the_layers_own_forward_where_onednn_cannot_pack(m
 
 
 def test_fp16_weight_linear_sums_in_fp32_over_weights_rounded_to_fp16():
-    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear
+    from comlrl_trl.fast.packed_linear import Fp16WeightLinear
 
     layer = torch.nn.Linear(256, 3)
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_fp16_weight_linear_sums_in_fp32_over_weights_rounded_to_fp16():
 
 @pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536)])
 def test_fp16_weight_linear_matches_an_fp32_product_over_rounded_weights(shape):
-    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear
+    from comlrl_trl.fast.packed_linear import Fp16WeightLinear
 
     torch.manual_seed(shape[0])
     layer = torch.nn.Linear(shape[1], shape[0])
@@ -243,7 +243,7 @@ def _packable_model():
 
 
 def test_fp16_packing_covers_wide_fp32_layers_only_without_gradients_or_autocast_and_only_when_asked():
-    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear, packed_linear_weights
+    from comlrl_trl.fast.packed_linear import Fp16WeightLinear, packed_linear_weights
 
     model = _packable_model()
 
@@ -283,7 +283,7 @@ def test_fp16_packing_covers_wide_fp32_layers_only_without_gradients_or_autocast
 
 
 def test_fp16_packing_falls_back_to_fp32_where_fbgemm_cannot_pack(monkeypatch, caplog):
-    from comlrl_trl.adapters import packed_linear
+    from comlrl_trl.fast import packed_linear
 
     def refuse(weight, bias):
         raise RuntimeError("quantized::linear_prepack_fp16 is not supported by the qnnpack engine")
@@ -300,8 +300,8 @@ def test_fp16_packing_falls_back_to_fp32_where_fbgemm_cannot_pack(monkeypatch, c
 def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path):
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from comlrl_trl.adapters.decoding import lean_decoding
-    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+    from comlrl_trl.fast.decoding import lean_decoding
+    from comlrl_trl.fast.packed_linear import packed_linear_weights
 
     config = AutoConfig.from_pretrained(qwen_path)
     config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
@@ -334,7 +334,7 @@ def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path)
 
 
 def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_off(make_team, monkeypatch):
-    from comlrl_trl.adapters import packed_linear
+    from comlrl_trl.fast import packed_linear
 
     monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
     monkeypatch.setattr(packed_linear, "FP16_MIN_NEW_TOKENS", 8)  # and a call of 8 tokens as long
@@ -356,7 +356,7 @@ def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_
 
 
 def test_frozen_layers_keep_their_fp16_copy_until_their_weights_change(monkeypatch):
-    from comlrl_trl.adapters.packed_linear import packed_linear_weights
+    from comlrl_trl.fast.packed_linear import packed_linear_weights
 
     packs = []
     prepack = torch.ops.quantized.linear_prepack_fp16
@@ -383,7 +383,7 @@ def test_frozen_layers_keep_their_fp16_copy_until_their_weights_change(monkeypat
 
 
 def test_a_frozen_layer_beyond_fp16_range_stays_fp32_and_is_checked_once_while_unchanged(monkeypatch):
-    from comlrl_trl.adapters.packed_linear import Fp16WeightLinear, packed_linear_weights
+    from comlrl_trl.fast.packed_linear import Fp16WeightLinear, packed_linear_weights
 
     checks = []
     aminmax = torch.aminmax

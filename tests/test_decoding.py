@@ -1,4 +1,4 @@
-"""Lean decoding steps (`comlrl_trl/adapters/decoding.py`): the model's own numbers, through fewer Python calls."""
+"""Lean decoding steps (`comlrl_trl/fast/decoding.py`): the model's own numbers, through fewer Python calls."""
 
 import contextlib
 
@@ -7,9 +7,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from comlrl_trl.adapters import decoding
-from comlrl_trl.adapters.decoding import lean_decoding, lean_decoding_applies
-from comlrl_trl.adapters.packed_linear import packed_linear_weights
+from comlrl_trl.fast import decoding
+from comlrl_trl.fast.decoding import lean_decoding, lean_decoding_applies
+from comlrl_trl.fast.packed_linear import packed_linear_weights
 from comlrl_trl.testing import tiny_model_path
 
 

@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from comlrl_trl.adapters.grpo import AgentGRPOTrainer
-from comlrl_trl.adapters.joint_decoding import TeamGeneration
+from comlrl_trl.fast.joint_decoding import TeamGeneration
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 

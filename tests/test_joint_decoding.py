@@ -1,4 +1,4 @@
-"""One decoding loop for the whole team (`comlrl_trl/adapters/joint_decoding.py`): each row through its own agent's
+"""One decoding loop for the whole team (`comlrl_trl/fast/joint_decoding.py`): each row through its own agent's
 weights, what the agents share run once."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from helpers import changed, snapshot
 from peft import LoraConfig
 
-from comlrl_trl.adapters import decoding
-from comlrl_trl.adapters.joint_decoding import SharedWeights, _PerAgent, _SharedBaseLora, team_view, until_eos
+from comlrl_trl.fast import decoding
+from comlrl_trl.fast.joint_decoding import SharedWeights, _PerAgent, _SharedBaseLora, team_view, until_eos
 from comlrl_trl.loading import base_model
 
 

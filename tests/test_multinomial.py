@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from comlrl_trl.adapters import multinomial
-from comlrl_trl.adapters.multinomial import sparse_multinomial, sparse_sampling
+from comlrl_trl.fast import multinomial
+from comlrl_trl.fast.multinomial import sparse_multinomial, sparse_sampling
 
 
 def _top_k_probs(rows: int, vocabulary: int, k: int, seed: int) -> torch.Tensor:
@@ -147,7 +147,7 @@ def test_a_torch_that_draws_otherwise_keeps_its_own_sampling_with_a_warning(monk
     monkeypatch.setattr(multinomial, "race", lambda probs, candidates: candidates[:1].expand(probs.shape[0], 1))
     probs = _top_k_probs(8, 10000, 50, seed=2)
     try:
-        with caplog.at_level(logging.WARNING, logger="comlrl_trl.adapters.multinomial"):
+        with caplog.at_level(logging.WARNING, logger="comlrl_trl.fast.multinomial"):
             expected, expected_state, ours, after = _torch_then_ours(probs, lambda p: sparse_multinomial(p, 1))
         assert torch.equal(ours, expected) and torch.equal(after, expected_state)
         assert "this torch build draws otherwise" in caplog.text

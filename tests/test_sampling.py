@@ -1,4 +1,4 @@
-"""Top-k then top-p from one top-k (`comlrl_trl/adapters/sampling.py`): transformers' kept tokens and values."""
+"""Top-k then top-p from one top-k (`comlrl_trl/fast/top_k_top_p.py`): transformers' kept tokens and values."""
 
 import contextlib
 import logging
@@ -9,8 +9,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerationMixin
 
-from comlrl_trl.adapters import sampling
-from comlrl_trl.adapters.sampling import TopKTopPLogitsWarper, fused_top_k_top_p
+from comlrl_trl.fast import top_k_top_p
+from comlrl_trl.fast.top_k_top_p import TopKTopPLogitsWarper, fused_top_k_top_p
 
 
 def _warpers(top_k, top_p, min_tokens_to_keep=1):
@@ -75,7 +75,7 @@ def test_rows_it_cannot_filter_go_to_transformers_alone(special, monkeypatch):
     elif special == "inf":
         scores[2, 9] = float("inf")
     else:  # scores equal to the 5th largest after it, which top-k keeps too: 1, or more than the candidates hold
-        repeats = 1 if special == "tie_after_k" else sampling._TIES
+        repeats = 1 if special == "tie_after_k" else top_k_top_p._TIES
         fifth = scores[2].topk(5).values[-1]
         scores[2, scores[2] < fifth] -= 10
         scores[2, (scores[2] < fifth).nonzero()[:repeats, 0]] = fifth
@@ -91,7 +91,7 @@ def test_repeats_of_the_kth_score_beyond_the_candidates_go_to_transformers(monke
     # hold only 17 of the repeats. Ascending cumulative probabilities of transformers' 22 tokens: 0.175 after the
     # repeats, 0.2016 after the 2; over 21 tokens they would be 0.167 and 0.1937. With 1 - top_p = 0.198 transformers
     # keeps the 2, and the short row would drop it: the row must go to transformers.
-    assert sampling._TIES == 16
+    assert top_k_top_p._TIES == 16
     their_rows = _count_their_rows(monkeypatch)
     top_k_warper, top_p_warper = _warpers(5, 0.802)
     scores = torch.full((2, 4096), -20.0)
@@ -114,26 +114,26 @@ def test_the_nucleus_sums_match_the_full_row_only_when_aligned():
     row = torch.full((512, vocabulary), -float("inf"))
     row[:, -3:] = ascending
     full = row.softmax(-1).cumsum(-1)[:, -3:]
-    assert torch.equal(sampling.nucleus_cumulative(ascending, vocabulary), full)
+    assert torch.equal(top_k_top_p.nucleus_cumulative(ascending, vocabulary), full)
     differing = [
-        (sampling.nucleus_cumulative(ascending, vocabulary + off) != full).any(-1).sum() for off in (4, 8, 16)
+        (top_k_top_p.nucleus_cumulative(ascending, vocabulary + off) != full).any(-1).sum() for off in (4, 8, 16)
     ]
     assert max(differing) > 64
 
 
 def test_a_torch_that_adds_otherwise_keeps_transformers_warpers(monkeypatch, caplog):
     # A short row that starts elsewhere: other sums with AVX512 (16-float vectors) and with AVX2 only (8-float ones).
-    monkeypatch.setattr(sampling, "_ALIGN", 8)
-    sampling._agrees_with_torch.cache_clear()
+    monkeypatch.setattr(top_k_top_p, "_ALIGN", 8)
+    top_k_top_p._agrees_with_torch.cache_clear()
     their_rows = _count_their_rows(monkeypatch)
     try:
-        with caplog.at_level(logging.WARNING, logger=sampling.__name__):
+        with caplog.at_level(logging.WARNING, logger=top_k_top_p.__name__):
             scores = torch.randn(2, 4096, generator=torch.Generator().manual_seed(3))
             TopKTopPLogitsWarper(*_warpers(50, 0.6))(None, scores)
         assert their_rows == [2]
         assert "sorts every token" in caplog.text
     finally:
-        sampling._agrees_with_torch.cache_clear()
+        top_k_top_p._agrees_with_torch.cache_clear()
 
 
 def test_generate_builds_one_warper_for_the_pair_and_transformers_own_afterwards():

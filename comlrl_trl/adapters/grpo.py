@@ -32,14 +32,14 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
+from ..fast.call_overheads import fewer_fixed_costs
+from ..fast.decoding import lean_decoding
+from ..fast.multinomial import sparse_sampling
+from ..fast.packed_linear import packed_linear_weights
+from ..fast.top_k_top_p import fused_top_k_top_p
 from ..hardware import enable_cpu_fp16
-from .call_overheads import fewer_fixed_costs
 from .cpu_logprob import CpuChunkedLogProb
-from .decoding import lean_decoding
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
-from .multinomial import sparse_sampling
-from .packed_linear import packed_linear_weights
-from .sampling import fused_top_k_top_p
 from .shared_prompt import SharedPromptModel, shares_prompts
 
 
@@ -154,15 +154,15 @@ class AgentGRPOTrainer(GRPOTrainer):
 
         It runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
         which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
-        the linear layers run with their weights packed once per call (`adapters/packed_linear.py`: the same
+        the linear layers run with their weights packed once per call (`fast/packed_linear.py`: the same
         outputs, on one thread to the bit; 12% less time); in fp32 with `cpu_fp16_generation_weights`, with their
         weights rounded to fp16 (a rounding away from the fp32 outputs; 31% less time at 48 tokens). Top-k and top-p
-        filtering work on the tokens top-k keeps (`adapters/sampling.py`), sampling draws only for the tokens top-k
-        kept (`adapters/multinomial.py`) and the decoding steps of Llama and Qwen2 models skip the Python between
-        their operations (`adapters/decoding.py`), keeping the same tokens and random state as transformers and torch
+        filtering work on the tokens top-k keeps (`fast/top_k_top_p.py`), sampling draws only for the tokens top-k
+        kept (`fast/multinomial.py`) and the decoding steps of Llama and Qwen2 models skip the Python between
+        their operations (`fast/decoding.py`), keeping the same tokens and random state as transformers and torch
         (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token). Logits
         processors are inspected once per class, and Accelerate's DeepSpeed check reads no metadata
-        (`adapters/call_overheads.py`). `team`: see `adapters/joint_decoding.py`.
+        (`fast/call_overheads.py`). `team`: see `fast/joint_decoding.py`.
         """
         cpu = self.accelerator.device.type == "cpu"
         with (

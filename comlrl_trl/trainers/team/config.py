@@ -152,7 +152,7 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         cpu_fp16_generation_weights (`bool`, *optional*, defaults to `True`):
             When an agent generates in fp32 on a CPU (no bf16 units there, or `bf16=False`), round each linear
             layer's weight to fp16 once per `generate` call and multiply with fbgemm's fp16-weight kernel (fp32
-            activations and sums; `comlrl_trl/adapters/packed_linear.py`). Decoding reads the weights at every
+            activations and sums; `comlrl_trl/fast/packed_linear.py`). Decoding reads the weights at every
             token, and fp32 products of a few rows read them slowly: SmolLM2-135M generated 48 tokens with 31%
             less CPU time on an AVX2 CPU, packing included. Trainable weights are packed only for calls of at least
             32 new tokens (packing costs what about 20 decoding steps save); frozen ones (a LoRA base) once, kept
@@ -162,7 +162,7 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             token transformers' own.
         joint_generation (`bool`, *optional*, defaults to `True`):
             On a CPU, sample every agent's completions in one decoding loop instead of one `generate` call per agent
-            (`comlrl_trl/adapters/joint_decoding.py`): each row goes through its own agent's weights, and what the
+            (`comlrl_trl/fast/joint_decoding.py`): each row goes through its own agent's weights, and what the
             agents share (a LoRA team's frozen base model, attention, sampling) runs once for all rows. Decoding a
             few rows on a CPU costs nearly as much as decoding twice as many. The samples follow the same
             distributions, but are not the tokens separate calls draw (one draw per step covers every agent). Applies

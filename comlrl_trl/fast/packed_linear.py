@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .helpers import zero_sharded
+from ..adapters.helpers import zero_sharded
 
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import accelerate.utils.other
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from .helpers import attribute_replaced
+from ..adapters.helpers import attribute_replaced
 
 
 _PARAMETERS_BY_CLASS: dict[type, tuple[str, ...]] = {}

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .helpers import attribute_replaced
+from ..adapters.helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer
 calls through `forward` (user hooks; a hook would be skipped), and not to parameters DeepSpeed shards. A PEFT model
 (LoRA agents) is decoded through its transformers model, whose LoRA layers' own `forward` runs as it would.
 
-`lean_decoding(model, team)` runs the same loop over a whole team's rows (`adapters/joint_decoding.py`): the forwards
+`lean_decoding(model, team)` runs the same loop over a whole team's rows (`fast/joint_decoding.py`): the forwards
 go through the team's view, which sends each row through its own agent's weights, and a call the loop (with its
 lean prompt forward) would not run raises `JointDecodingUnavailable` before any token is drawn.
 """
@@ -46,8 +46,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..adapters.helpers import full_sdpa_attention, zero_sharded
 from ..loading import base_model
-from .helpers import full_sdpa_attention, zero_sharded
 
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).

@@ -28,7 +28,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerationMixin
 
-from .helpers import attribute_replaced
+from ..adapters.helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)

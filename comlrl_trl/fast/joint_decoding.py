@@ -3,7 +3,7 @@
 Every agent of a team samples its completions in its own `generate` call, one after the other. On a CPU a decoding
 step of a small model costs nearly the same for 16 rows as for 8 (reading the weights and the Python around each
 operation dominate), so N calls of B rows cost nearly N times one call of N * B rows. `team_view` lets the lean
-decoding loop (`adapters/decoding.py`) run the agents' rows as one batch, operation by operation:
+decoding loop (`fast/decoding.py`) run the agents' rows as one batch, operation by operation:
 
 - a module whose weights every agent shares runs once on all rows: frozen parameters equal across agents (a LoRA
   team's base model: its linear layers, norms, embedding and head);
@@ -28,10 +28,10 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from ..adapters.grpo import Rollout
+from ..adapters.helpers import attribute_replaced
 from ..loading import architecture, base_model
 from .decoding import JointDecodingUnavailable, lean_decoding_applies, rotary_function
-from .grpo import Rollout
-from .helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)
