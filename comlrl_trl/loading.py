@@ -1,6 +1,7 @@
 """Loading models from the places trainers accept: ids, local directories (full weights or a PEFT adapter
 written by `save_model`) and model objects, and reloading exported weights into a live model."""
 
+import copy
 import os
 import sys
 from contextlib import contextmanager
@@ -192,3 +193,68 @@ def attach_value_head(model, head: nn.Module) -> None:
     if isinstance(model, PreTrainedModel):
         ignored = set(model._keys_to_ignore_on_save or ())
         model._keys_to_ignore_on_save = ignored | {f"value_head.{key}" for key in head.state_dict()}
+
+
+def shared_lora_bases(models: list, peft_configs: list, agent_args: list) -> list:
+    """The agents' models with one copy of each frozen LoRA base per process: the sources TRL would load separately
+    for LoRA agents on the same base (same model id or path, same loading settings) are loaded once here, and every
+    further agent gets a model object of its own whose parameters are that model's `Parameter` objects.
+
+    `models` holds each agent's source as the trainer passes it to TRL (a model id or path, or a model object),
+    `peft_configs` and `agent_args` each agent's `peft_config` and config. A source is shared when it is a string, its
+    agent trains a `peft_config` that keeps the base frozen (`bias="none"`) and at least one other agent has the same
+    source and loading settings
+    (`adapters.agent_models.agent_load_kwargs`); every other entry is returned as it is, for TRL to load.
+
+    The copies are made before TRL wraps any model in PEFT: `copy.deepcopy` with every parameter in the memo, so
+    each agent has its own modules (PEFT replaces its target layers in that agent's tree only, and the adapters are
+    each agent's own) around the same frozen tensors. Peak memory is one base plus the buffers (rotary tables) and
+    adapters, instead of N bases until `_share_frozen_base_weights` pointed them at one. The parameters are the
+    same objects, not equal tensors, so in-place moves keep them shared: the Trainer's `.to(device)` of agent 0 moves
+    every agent's base, and DeepSpeed ZeRO-1/2 (which partitions only the trainable adapters) casting or placing the
+    module of each engine in turn finds the base already done.
+
+    Under ZeRO-3 (every parameter partitioned, each engine its own partitions) and FSDP (each wrapped model flattens
+    its parameters) nothing is shared: each agent loads its own base, as before.
+    """
+    from .adapters.agent_models import agent_load_kwargs, load_agent_model
+
+    if len(models) != len(peft_configs) or len(models) != len(agent_args):
+        raise ValueError(
+            f"shared_lora_bases needs one entry per agent: got {len(models)} models, {len(peft_configs)} "
+            f"peft_configs and {len(agent_args)} configs."
+        )
+    groups: dict[str, list[int]] = {}  # (source, loading settings) -> the agents that load it
+    for i, (source, peft_config, args) in enumerate(zip(models, peft_configs, agent_args)):
+        if isinstance(source, str) and _frozen_base(peft_config) and not _partitions_parameters(args):
+            groups.setdefault(repr((source, sorted(agent_load_kwargs(args).items(), key=str))), []).append(i)
+    shared = list(models)
+    for agents in groups.values():
+        if len(agents) < 2:
+            continue
+        base = load_agent_model(models[agents[0]], agent_args[agents[0]])
+        shared[agents[0]] = base
+        for i in agents[1:]:
+            shared[i] = copy_sharing_parameters(base)
+    return shared
+
+
+def copy_sharing_parameters(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s module tree (modules, buffers, config) that holds `model`'s own `Parameter` objects."""
+    memo = {id(parameter): parameter for _, parameter in model.named_parameters(remove_duplicate=False)}
+    return copy.deepcopy(model, memo)
+
+
+def _frozen_base(peft_config) -> bool:
+    """Whether an agent trains a PEFT adapter that leaves every base parameter frozen (`bias="none"`: PEFT's
+    `bias="all"` or `"lora_only"` would train the base's biases in place, which agents cannot share)."""
+    return peft_config is not None and getattr(peft_config, "bias", "none") == "none"
+
+
+def _partitions_parameters(args) -> bool:
+    """Whether `args` trains under DeepSpeed ZeRO-3 or FSDP, where each model's parameters are its own engine's."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        return True
+    fsdp_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    return bool(getattr(args, "fsdp", None)) or fsdp_env
