@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from comlrl_trl.tasks import _cgroup, sandbox
-from comlrl_trl.tasks import _sandbox_codec as codec
 from comlrl_trl.tasks import code_feedback as task
-from comlrl_trl.tasks.sandbox import MAX_PROCESSES, isolation_mode, run_python
+from comlrl_trl.tasks import sandbox
+from comlrl_trl.tasks.sandbox import MAX_PROCESSES, cgroup, checker, codec, isolation_mode, run_python
 
 
 ISOLATED = pytest.mark.skipif(
     isolation_mode() != "namespaces", reason="needs Linux namespaces (root); this system runs the sandbox's fallback"
 )
+ROOT = str(Path(__file__).resolve().parents[1])  # the repository: the scripts below import comlrl_trl from it
 HELPER = "def aux(ch):\n    return ch.lower() in 'aeiou'\n"
 WRONG = "\n    return 2\n"  # count_vowels("hello") == 2 is the only test this passes
 
@@ -171,8 +171,8 @@ def _nested(depth):
 @pytest.fixture
 def fallback(monkeypatch):
     """The sandbox as on a system without namespaces (the child is started without isolation)."""
-    monkeypatch.setattr(sandbox, "_DISABLED", ["none: unshare failed (forced by the test)"])
-    monkeypatch.setattr(sandbox, "_WARNED", [])
+    monkeypatch.setattr(checker, "_DISABLED", ["none: unshare failed (forced by the test)"])
+    monkeypatch.setattr(checker, "_WARNED", [])
     monkeypatch.delenv(sandbox.ALLOW_UNISOLATED_ENV, raising=False)
     assert isolation_mode() == "fallback"
 
@@ -324,7 +324,7 @@ def test_process_count_is_limited():
     assert result.passed == 1, result.errors
 
 
-@pytest.mark.skipif(_cgroup._layout() is None, reason="no writable cgroup: memory is limited per process only")
+@pytest.mark.skipif(cgroup._layout() is None, reason="no writable cgroup: memory is limited per process only")
 def test_memory_is_limited_for_the_whole_process_tree():
     code = (
         "import os\ndef grow(children, mib):\n    pids = []\n    for _ in range(children):\n"
@@ -541,11 +541,12 @@ def test_no_process_outlives_a_checker_that_dies_mid_run(mode):
     marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(10**6):06d}"
     script = f"""
 import os, sys, warnings
-sys.path.insert(0, {str(Path(sandbox.__file__).parents[2])!r})
+sys.path.insert(0, {ROOT!r})
 warnings.simplefilter("ignore")
 from comlrl_trl.tasks import sandbox
+from comlrl_trl.tasks.sandbox import checker
 if {mode!r} == "fallback":
-    sandbox._DISABLED.append("none: forced by the test")
+    checker._DISABLED.append("none: forced by the test")
     os.environ[sandbox.ALLOW_UNISOLATED_ENV] = "1"
 sandbox.RunCgroup.create = classmethod(lambda cls, *args: None)
 sandbox.run_python({SURVIVOR.format(tag=tag, marker=marker)!r}, ["survive()"], timeout=60)
@@ -574,6 +575,7 @@ import ctypes, json, os, sys, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")
 from comlrl_trl.tasks import sandbox
+from comlrl_trl.tasks.sandbox import checker
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: like a trainer that is PID 1
 {prelude}
 code = "import os, time\\nfor _ in range(3):\\n    if os.fork() == 0:\\n        time.sleep(60)\\n"
@@ -595,12 +597,12 @@ print(json.dumps({{"timed_out": timed_out, "left": left}}))
 # The process that ends a run does not answer: the checker SIGKILLs it after REAPER_SECONDS.
 STUCK = """
 import signal
-sandbox.REAPER_SECONDS = 0.2
-stop = sandbox._Child.stop
+checker.REAPER_SECONDS = 0.2
+stop = checker._Child.stop
 def stuck_stop(child):
     os.kill(child.process.pid, signal.SIGSTOP)
     stop(child)
-sandbox._Child.stop = stuck_stop
+checker._Child.stop = stuck_stop
 """
 
 
@@ -611,8 +613,7 @@ def test_runs_that_hit_the_time_limit_leave_no_process_to_a_subreaper(prelude, r
     stopped at their time limit (each forked sleepers), it has no zombie and no live process left (each run used
     to leave the namespace's PID 1 behind as a zombie); nor after 10 runs whose ending process was stuck, so that
     the checker killed it (its child, PID 1 of the namespace, was left as a zombie)."""
-    root = str(Path(sandbox.__file__).parents[2])
-    script = SUBREAPER_RUNS.format(root=root, prelude=prelude, timeout=0.3, runs=runs)
+    script = SUBREAPER_RUNS.format(root=ROOT, prelude=prelude, timeout=0.3, runs=runs)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,7 +4,7 @@
 
 * **The checker** (this module, in the calling process) runs `setup` and every test statement itself, in a
   namespace where each function the candidate code defines is a proxy. Calling a proxy sends the arguments as
-  plain data to the child and returns the child's answer as plain data (`_sandbox_codec`: None, bool, int, float,
+  plain data to the child and returns the child's answer as plain data (`codec`: None, bool, int, float,
   str, bytes, and lists, tuples, dicts, sets, frozensets of them; exact types only; anything else fails that
   test). So the comparison `==`, `bool`, the `assert` and the pass/fail bookkeeping all run on values the
   checker built itself: no `__eq__`/`__bool__` object, no patched builtin or module, no forged report and no
@@ -15,10 +15,10 @@
   is bounded (1 MiB per reply, decoded in at most 0.25 s, ints of at most 4300 digits, 5000 set elements and dict
   keys, at most 32 of them sharing a hash), but keep the tests' own work on it cheap. Error messages are single
   printable lines (`printable`), safe to put into a prompt.
-* **The child** (`_sandbox_child.py`, a fresh `python -I -S`) holds the candidate code and answers calls. With
+* **The child** (`child.py`, a fresh `python -I -S`) holds the candidate code and answers calls. With
   `watch=(caller, callee)` it also says whether a call of `caller` ran the program's own `def callee`
   (`SandboxResult.watched`): evidence for the structure bonus of the coding tasks, from the candidate's own
-  process, so positive only and not forgery-proof (see `_sandbox_child.Watch`); the verdict never uses it.
+  process, so positive only and not forgery-proof (see `child.Watch`); the verdict never uses it.
 
 Each test is independent: a test whose call crashes the child fails, and the next call starts a new child
 (running the candidate code again). `timeout` bounds the whole run (wall clock); when it runs out, the child is
@@ -78,8 +78,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _sandbox_codec as codec
-from ._cgroup import RunCgroup
+from . import codec
+from .cgroup import RunCgroup
 
 
 MAX_ERRORS = 5  # error messages kept per run
@@ -91,7 +91,7 @@ MAX_TMP_MB = 64  # the private /tmp holds at most min(memory_mb, this)
 REAPER_SECONDS = 3.0  # how long the checker waits for the child's first process to end a run's processes
 ALLOW_UNISOLATED_ENV = "COMLRL_SANDBOX_ALLOW_UNISOLATED"  # "1": run unisolated where isolation is impossible
 CONTROL_FLOW_EXCEPTIONS = (StopIteration, StopAsyncIteration)  # end a loop early instead of failing a test
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 
 
 @dataclass
@@ -105,7 +105,7 @@ class SandboxResult:
     test_passed: list[bool] = field(default_factory=list)  # one entry per test, in order (empty when none ran)
     # With `run_python(..., watch=(caller, callee))`: whether a test called the program's own top-level `def caller`
     # (not a function that replaced it) and that call ran the program's own top-level `def callee`; None without
-    # `watch`. Positive evidence from the child (see `_sandbox_child.Watch` for what it can and cannot prove).
+    # `watch`. Positive evidence from the child (see `child.Watch` for what it can and cannot prove).
     watched: bool | None = None
 
     @property
@@ -531,7 +531,7 @@ def _reply(reply: dict) -> tuple[Any, Exception | None]:
 
 
 class _Child:
-    """One child process (`_sandbox_child.py`) and the framed pipes to it; every wait ends at `deadline`."""
+    """One child process (`child.py`) and the framed pipes to it; every wait ends at `deadline`."""
 
     def __init__(self, config: dict, deadline: float):
         self.deadline = deadline
@@ -574,7 +574,7 @@ class _Child:
 
     def stop(self) -> None:
         """End the run's processes: on SIGTERM the child's first process kills them all (it SIGKILLs PID 1 of the
-        namespace, or is the fallback's reaper, see `_sandbox_child`) and reaps them; then SIGKILL for the process
+        namespace, or is the fallback's reaper, see `child`) and reaps them; then SIGKILL for the process
         group, in case it is gone or stuck. A stuck first process leaves its child to this process where it is PID 1
         or a child subreaper: that child is reaped here."""
         self.process.send_signal(signal.SIGTERM)
@@ -709,7 +709,7 @@ def _warn_unisolated() -> None:
     warnings.warn(
         f"comlrl_trl sandbox: no namespace isolation ({_disabled_reason()}); model-written code runs as this user "
         "with per-process limits only, as allowed: it can reach the network, read and change this user's files "
-        "(answer keys included) and kill the trainer's processes (see comlrl_trl/tasks/sandbox.py, 'Fallback').",
+        "(answer keys included) and kill the trainer's processes (see comlrl_trl/tasks/sandbox/checker.py, 'Fallback').",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -9,7 +9,7 @@ sender's choosing. Decoding is bounded: replies of at most `MAX_REPLY_BYTES`, `M
 sets and dicts whose keys do not collide in their hashes (a crafted set of equal hashes would take quadratic time
 to build).
 
-This module is shared by the trusted checker (`sandbox.py`) and the untrusted child (`_sandbox_child.py`, which
+This module is shared by the trusted checker (`checker.py`) and the untrusted child (`child.py`, which
 loads it by path), so it uses only the standard library and no package-relative imports.
 """
 

@@ -1,7 +1,7 @@
 """The untrusted side of `comlrl_trl.tasks.sandbox`: isolate this process, load the candidate program, serve calls.
 
-The checker runs this file as `python -I -S _sandbox_child.py CONFIG` (CONFIG: JSON from `sandbox._Session`), with
-requests on fd 0, replies on fd 1 (length-prefixed JSON, see `_sandbox_codec`) and stderr to a file. Before it
+The checker runs this file as `python -I -S child.py CONFIG` (CONFIG: JSON from `checker._Session`), with
+requests on fd 0, replies on fd 1 (length-prefixed JSON, see `codec`) and stderr to a file. Before it
 reads any candidate code it:
 
 1. joins the run's cgroups, when the checker made them (memory and process count of the whole process tree);
@@ -20,7 +20,7 @@ reads any candidate code it:
    `reaper`, a child subreaper on Linux (orphans of the run are re-parented to it, not to init) that kills every
    process below it when the server exits or SIGTERM arrives; the server sets the resource limits and disables
    Python-level sockets only. (The candidate code runs as the same user there, so it can kill the reaper first:
-   the fallback is not a security boundary, see `sandbox.py`.)
+   the fallback is not a security boundary, see `checker.py`.)
 
 Its first reply, written before any candidate code runs, says which of 2. and 3. holds. Then it executes the
 candidate code, reports the names it defines, and answers `call` requests with plain data. Everything after the
@@ -40,7 +40,7 @@ import types
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sandbox_codec as codec  # noqa: E402  (this file runs as a script, outside the package)
+import codec  # noqa: E402  (this file runs as a script, outside the package: codec.py lies beside it)
 
 
 del sys.path[0]
