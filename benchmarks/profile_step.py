@@ -77,12 +77,12 @@ def instrument(clock: PhaseClock) -> None:
     from transformers import Trainer
 
     from comlrl_trl.adapters.grpo import AgentGRPOTrainer
-    from comlrl_trl.fast.joint_decoding import TeamGeneration
+    from comlrl_trl.generation.cpu import LeanCpuGeneration
     from comlrl_trl.orchestrator import JointRolloutOrchestrator
 
     clock.wrap(JointRolloutOrchestrator, "_score_agents", "scoring")
     clock.wrap(JointRolloutOrchestrator, "_score_and_expand", "scoring")
-    clock.wrap(TeamGeneration, "__call__", "generation")  # the team's joint loop, or each agent's call
+    clock.wrap(LeanCpuGeneration, "__call__", "generation")  # the team's joint loop, or each agent's call
     clock.wrap(AgentGRPOTrainer, "generate", "generation")
     clock.wrap(AgentGRPOTrainer, "training_step", "forward/backward")
     clock.wrap(AcceleratedOptimizer, "step", "optimiser")

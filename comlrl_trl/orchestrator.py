@@ -4,7 +4,8 @@ One rollout of the local generation batch (every task item repeated K = num_gene
 one level per turn:
 
 1. every node (one task item along one branch) asks each agent for K completions; all nodes of a turn go
-   through one batched generation per agent (`AgentGRPOTrainer.generate`);
+   through the team generator it is given (`comlrl_trl.generation.team_generator`: one batched generation per
+   agent, or one decoding loop for the whole team on a CPU);
 2. the completions of a node form its joint actions (`align`: K, `cross`: K^N) and the joint reward function
    is called once per node;
 3. before the last turn, every joint action of a node is expanded (unless the node's mean reward exceeds
@@ -29,8 +30,8 @@ from .batching import concat_scored_batches
 from .core.advantages import group_advantages
 from .core.joint import completion_returns, joint_action_indices
 from .core.returns import suffix_returns, tree_returns
-from .fast.joint_decoding import TeamGeneration
 from .formatters import Formatter, check_prompt, format_prompt
+from .generation.team_generator import TeamGenerator, team_generator
 from .hardware import training_autocast
 from .joint_reward import JointReward, accepts_keyword
 
@@ -88,9 +89,12 @@ class JointRolloutOrchestrator:
         joint_reward: JointReward,
         args,
         external_transition=None,
+        generator: TeamGenerator | None = None,
     ):
         self.agents = agents
-        self.team_generation = TeamGeneration(agents)
+        # How every agent's completions are sampled (`comlrl_trl.generation.team_generator`); by default the one
+        # `args.generation_backend` picks.
+        self.team_generation = team_generator(agents, args) if generator is None else generator
         self.formatters = formatters
         self.joint_reward = joint_reward
         self.args = args

@@ -173,6 +173,8 @@ def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_
 
 @bf16_kernels
 def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+
     from comlrl_trl.fast.packed_linear import PackedLinear
 
     trainer = make_team(bf16=True, use_cpu=True)
@@ -181,7 +183,7 @@ def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
     monkeypatch.setattr(PackedLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden))
     for agent in trainer.agent_trainers:
         calls.clear()
-        rollout = agent.generate(["Write a story about item 1:"] * 4)
+        rollout = LeanCpuGeneration([agent])([["Write a story about item 1:"] * 4])[0]
         assert len(rollout.completion_ids) == 4
         linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
         assert len(calls) >= 2 * linears  # every layer, at the prompt and at least one decoding step
@@ -334,6 +336,8 @@ def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path)
 
 
 def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_off(make_team, monkeypatch):
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+
     from comlrl_trl.fast import packed_linear
 
     monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
@@ -348,7 +352,7 @@ def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_
         trainer = make_team(bf16=False, use_cpu=True, **setting)
         for agent in trainer.agent_trainers:
             calls.clear()
-            rollout = agent.generate(["Write a story about item 1:"] * 4)
+            rollout = LeanCpuGeneration([agent])([["Write a story about item 1:"] * 4])[0]
             assert len(rollout.completion_ids) == 4
             linears = sum(type(m) is torch.nn.Linear for m in agent.model.modules())
             assert (len(calls) >= 2 * linears) if expected else calls == []

@@ -196,12 +196,9 @@ def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
 
 
 def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, monkeypatch):
-    from comlrl_trl.adapters import grpo
-
     def train(lean: bool):
-        if not lean:
-            monkeypatch.setattr(grpo, "lean_decoding", lambda model, team=None: contextlib.nullcontext())
         trainer = make_team(
+            generation_backend="cpu" if lean else "transformers",
             reward_func=lambda a, b: [float(len(x) - len(y)) for x, y in zip(a, b)],
             max_steps=2,
             joint_generation=False,  # each agent's own call: transformers' tokens (the team's loop draws differently)

@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from comlrl_trl.adapters.grpo import AgentGRPOTrainer
-from comlrl_trl.fast.joint_decoding import TeamGeneration
+from comlrl_trl.generation.cpu import LeanCpuGeneration
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
@@ -35,13 +35,13 @@ def test_default_samples_two_updates_at_once_and_updates_every_agent_every_step(
     # 10 items, one per update, 2 updates per generation: 5 generations of 2 items x K=2 = 4 prompts per agent, and
     # 10 optimiser steps that each change both agents.
     calls = []  # the number of prompts of every agent, per generation of the team
-    original = TeamGeneration.__call__
+    original = LeanCpuGeneration.__call__
 
     def counting(self, prompts):
         calls.append([len(agent_prompts) for agent_prompts in prompts])
         return original(self, prompts)
 
-    monkeypatch.setattr(TeamGeneration, "__call__", counting)
+    monkeypatch.setattr(LeanCpuGeneration, "__call__", counting)
     config = make_config(num_generations=2, max_new_tokens=4, steps_per_generation=None)
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,
@@ -60,13 +60,13 @@ def test_default_samples_two_updates_at_once_and_updates_every_agent_every_step(
 
 def test_a_set_steps_per_generation_of_one_samples_for_every_update(qwen_path, make_config, monkeypatch):
     calls = []  # the number of prompts of every agent, per generation of the team
-    original = TeamGeneration.__call__
+    original = LeanCpuGeneration.__call__
 
     def counting(self, prompts):
         calls.append([len(agent_prompts) for agent_prompts in prompts])
         return original(self, prompts)
 
-    monkeypatch.setattr(TeamGeneration, "__call__", counting)
+    monkeypatch.setattr(LeanCpuGeneration, "__call__", counting)
     config = make_config(num_generations=2, max_new_tokens=4, steps_per_generation=1)
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,

@@ -64,7 +64,7 @@ def test_one_loop_gives_every_agent_the_tokens_of_its_own_call(make_team, make_l
     joint = team(prompts)
     assert loops == [8]  # one loop over both agents' 4 rows
     separate = [agent.generate(p) for agent, p in zip(trainer.agent_trainers, prompts)]
-    assert loops == [8, 4, 4]
+    assert loops == [8]  # each agent's own call: transformers' generate, without the CPU generator's speed-ups
     for ours, theirs in zip(joint, separate):
         assert ours.prompt_ids == theirs.prompt_ids
         assert ours.completion_ids == theirs.completion_ids
@@ -75,7 +75,7 @@ def test_one_loop_gives_every_agent_the_tokens_of_its_own_call(make_team, make_l
     # Evaluation samples through the same loop.
     texts = trainer.orchestrator.sample([[p0, p1] for p0, p1 in zip(*prompts)])
     assert texts == [rollout.completions for rollout in separate]
-    assert loops == [8, 4, 4, 8]
+    assert loops == [8, 8]
 
 
 def test_sampling_filters_each_row_in_the_team_batch(make_team):
@@ -199,3 +199,37 @@ def test_agents_that_differ_in_shape_or_weight_dtype_generate_in_their_own_calls
     rollouts = team(_prompts())
     assert loops == [4, 4]
     assert [len(r.completion_ids) for r in rollouts] == [4, 4]
+
+
+def test_generation_backend_picks_the_team_generator(make_team):
+    from comlrl_trl.generation.cpu import LeanCpuGeneration
+    from comlrl_trl.generation.team_generator import PerAgentGeneration
+
+    assert type(make_team().orchestrator.team_generation) is LeanCpuGeneration  # "auto" on a CPU
+    assert type(make_team(generation_backend="cpu").orchestrator.team_generation) is LeanCpuGeneration
+    plain = make_team(generation_backend="transformers").orchestrator.team_generation
+    assert type(plain) is PerAgentGeneration
+    rollouts = plain(_prompts())
+    assert [len(r.completion_ids) for r in rollouts] == [4, 4]
+
+
+def test_the_cpu_backend_refuses_agents_that_do_not_generate_on_a_cpu(make_team, monkeypatch):
+    from comlrl_trl.generation.team_generator import PerAgentGeneration, team_generator
+
+    trainer = make_team()
+    agents = trainer.agent_trainers
+    monkeypatch.setattr(agents[1], "use_vllm", True)  # the team's vLLM engines: TRL's rollout_func samples
+    args = trainer.args
+    monkeypatch.setattr(args, "generation_backend", "cpu")
+    with pytest.raises(ValueError, match="generation_backend='cpu' needs every agent to generate"):
+        team_generator(agents, args)
+    monkeypatch.setattr(args, "generation_backend", "auto")
+    assert type(team_generator(agents, args)) is PerAgentGeneration
+    monkeypatch.setattr(args, "generation_backend", "vllm")
+    with pytest.raises(ValueError, match="generation_backend must be one of 'auto', 'transformers', 'cpu'"):
+        team_generator(agents, args)
+
+
+def test_the_configuration_refuses_an_unknown_generation_backend(make_config):
+    with pytest.raises(ValueError, match="generation_backend must be one of 'auto', 'transformers', 'cpu'"):
+        make_config(generation_backend="gpu")

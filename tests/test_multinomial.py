@@ -190,6 +190,8 @@ def test_generation_samples_the_same_tokens_with_and_without_it(qwen_path):
 
 
 def test_agents_sample_through_it_on_a_cpu(make_team, monkeypatch):
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+
     trainer = make_team(use_cpu=True)
     raced = []
     race = multinomial.race
@@ -197,6 +199,6 @@ def test_agents_sample_through_it_on_a_cpu(make_team, monkeypatch):
     monkeypatch.setattr(multinomial, "_MIN_ENTRIES", 0)  # the test models' vocabulary is small
     for agent in trainer.agent_trainers:
         raced.clear()
-        agent.generate(["Write a story about item 1:"] * 4)
+        LeanCpuGeneration([agent])([["Write a story about item 1:"] * 4])[0]
         assert raced  # top-k 50 (the default) leaves few candidates: every decoding step races them
     assert torch.multinomial is multinomial._TORCH_MULTINOMIAL

@@ -32,11 +32,6 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from ..fast.call_overheads import fewer_fixed_costs
-from ..fast.decoding import lean_decoding
-from ..fast.multinomial import sparse_sampling
-from ..fast.packed_linear import packed_linear_weights
-from ..fast.top_k_top_p import fused_top_k_top_p
 from ..hardware import enable_cpu_fp16
 from .cpu_logprob import CpuChunkedLogProb
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
@@ -142,46 +137,30 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     # ----- generation and scoring -----
 
-    def generate(self, prompts: list) -> Rollout:
-        """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding,
-        under `generation_contexts`."""
-        with self.generation_contexts(rows=len(prompts)):
+    def generate(self, prompts: list, speedups=None) -> Rollout:
+        """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding
+        (transformers' `generate`, or TRL's `rollout_func`: the team's vLLM engines), under `generation_contexts`.
+
+        `speedups(rows)`: a block entered inside those, around TRL's call (a team generator's, see
+        `comlrl_trl.generation`); None: none."""
+        with self.generation_contexts(), speedups(len(prompts)) if speedups is not None else nullcontext():
             return Rollout(*super()._generate(prompts))
 
     @contextmanager
-    def generation_contexts(self, rows: int, team=None):
-        """The block in which this agent's model generates `rows` completions.
+    def generation_contexts(self):
+        """The block in which this agent's model generates: the training precision, without gradients.
 
-        It runs under the training precision: TRL runs the loss under bf16 autocast but generates in the weights' dtype,
-        which leaves bf16 matrix products (2-3x faster for generation on a bf16 CPU or GPU) unused. On a CPU in bf16,
-        the linear layers run with their weights packed once per call (`fast/packed_linear.py`: the same
-        outputs, on one thread to the bit; 12% less time); in fp32 with `cpu_fp16_generation_weights`, with their
-        weights rounded to fp16 (a rounding away from the fp32 outputs; 31% less time at 48 tokens). Top-k and top-p
-        filtering work on the tokens top-k keeps (`fast/top_k_top_p.py`), sampling draws only for the tokens top-k
-        kept (`fast/multinomial.py`) and the decoding steps of Llama and Qwen2 models skip the Python between
-        their operations (`fast/decoding.py`), keeping the same tokens and random state as transformers and torch
-        (on a GPU the full sort and draw are cheap, and the checks would wait for the device at every token). Logits
-        processors are inspected once per class, and Accelerate's DeepSpeed check reads no metadata
-        (`fast/call_overheads.py`). `team`: see `fast/joint_decoding.py`.
+        TRL runs the loss under bf16 autocast but generates in the weights' dtype, which leaves bf16 matrix products
+        (2-3x faster for generation on a bf16 CPU or GPU) unused; here generation runs under the accelerator's
+        autocast too, with frozen weights cast once per call (`_frozen_weights_cast_once`) and TRL's fp32 head kept
+        in fp32 (`_head_outside_autocast`). Nothing else: the CPU speed-ups are the lean CPU generator's
+        (`comlrl_trl.generation.cpu`).
         """
-        cpu = self.accelerator.device.type == "cpu"
         with (
             self.accelerator.autocast(),
             torch.no_grad(),
-            fewer_fixed_costs(),
             _frozen_weights_cast_once(self.model, self.accelerator.device.type),
             _head_outside_autocast(self.model) if self.args.cast_lm_head_to_fp32 else nullcontext(),
-            nullcontext()
-            if self.use_vllm
-            else packed_linear_weights(
-                self.model,
-                rows=rows,
-                fp16_weights=self.args.cpu_fp16_generation_weights,
-                new_tokens=self.max_completion_length,
-            ),
-            fused_top_k_top_p() if cpu else nullcontext(),
-            nullcontext() if self.use_vllm or not cpu else sparse_sampling(),
-            nullcontext() if self.use_vllm or not cpu else lean_decoding(self.model, team),
         ):
             yield
 

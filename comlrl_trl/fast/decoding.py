@@ -222,7 +222,7 @@ def _sampling_loop(
     token, with the inputs transformers would prepare. `decoder` (default `model`) is what the forwards run: a
     team's view decodes every agent's rows with its own weights."""
     decoder = model if decoder is None else decoder
-    pad_token_id = generation_config._pad_token_tensor
+    pad_token_id = padding_token(generation_config)
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
@@ -283,6 +283,16 @@ def _sampling_loop(
         hidden_states=None,
         cache=cache,
     )
+
+
+def padding_token(generation_config) -> torch.Tensor | None:
+    """The token that pads finished rows, as `generate` picks it: the pad token, else the first end-of-sequence
+    token."""
+    pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return None if pad is None else torch.tensor(pad)
 
 
 def _decoding_step(

@@ -18,23 +18,11 @@ step cover every agent's rows at once (a different order of torch's random numbe
 prompt of the team changes the rounding of the attention sums.
 """
 
-import copy
-import logging
-from contextlib import ExitStack
-
 import torch
 from torch import nn
-from trl import GRPOTrainer
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad
 
-from ..adapters.grpo import Rollout
-from ..adapters.helpers import attribute_replaced
-from ..loading import architecture, base_model
-from .decoding import JointDecodingUnavailable, lean_decoding_applies, rotary_function
-
-
-logger = logging.getLogger(__name__)
+from ..adapters.tensors import tensor_version
+from .decoding import rotary_function
 
 
 try:  # peft is a dependency of LoRA teams only
@@ -117,7 +105,7 @@ class SharedWeights:
         tensors = [list(module.parameters()) + list(module.buffers()) for module in modules]
         if any(p.requires_grad for group in tensors for p in group if isinstance(p, nn.Parameter)):
             return False
-        key = tuple((id(t), t._version) for group in tensors for t in group)
+        key = tuple((id(t), tensor_version(t)) for group in tensors for t in group)
         if key not in self._known:
             first = tensors[0]
             self._known[key] = all(
@@ -134,7 +122,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def team_view(models: list[nn.Module], sizes: list[int], shared: SharedWeights) -> _View:
     """The first agent's transformers model with every weighted module replaced by the team's (see the module
     docstring); `sizes[a]` rows of each batch are agent `a`'s, in agent order. Decide before generation (autocast
-    marks frozen weights as trainable while it runs: see `AgentGRPOTrainer.generation_contexts`)."""
+    marks frozen weights as trainable while it runs: see `AgentGRPOTrainer.generation_contexts`, entered first)."""
     first = models[0]
 
     def site(path: str):
@@ -164,98 +152,6 @@ def team_view(models: list[nn.Module], sizes: list[int], shared: SharedWeights) 
     return _View(first, model=inner, lm_head=site("lm_head"))
 
 
-class TeamGeneration:
-    """Every agent's `generate` for one set of prompts per agent, as one joint decoding loop where it applies.
-
-    TRL's side stays each agent's own: its tokenisation (`_tokenize_prompts`, with our truncation), and from the
-    sampled tokens on its `_generate` (the completion ids up to the first end-of-sequence token, decoding, metrics),
-    through its `rollout_func` seam. In between, the first agent's `generate` runs the team's rows, every agent's
-    generation contexts entered (autocast, packed weights, our sampling). Elsewhere (`unavailable` names why), and
-    where transformers' own loop would run, every agent generates in its own call.
-    """
-
-    def __init__(self, agents: list):
-        self.agents = agents
-        self.shared = SharedWeights()
-        self._told = False
-
-    def __call__(self, prompts: list[list]) -> list:
-        """`prompts[a]`: agent `a`'s prompts; its `Rollout`, in agent order."""
-        reason = self.unavailable()
-        if reason is None:
-            try:
-                return self._joint(prompts)
-            except JointDecodingUnavailable as error:
-                reason = str(error)
-        if not self._told:
-            self._told = True
-            logger.info("The agents generate one after the other: %s.", reason)
-        return [agent.generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts, strict=True)]
-
-    def unavailable(self) -> str | None:
-        """Why the team cannot decode in one loop, or None where it can."""
-        agents = self.agents
-        first = agents[0]
-        if len(agents) < 2:
-            return "one agent"
-        if not first.args.joint_generation:
-            return "joint_generation=False"
-        if any(agent.use_vllm or agent.accelerator.device.type != "cpu" for agent in agents):
-            return "not every agent generates with transformers on a CPU"
-        if any(agent.is_deepspeed_enabled or agent.is_fsdp_enabled for agent in agents):
-            return "DeepSpeed and FSDP gather each agent's parameters for its own call"
-        if any(agent.rollout_func is not None or agent.tools for agent in agents):
-            return "an agent has its own rollout function or tools"
-        models = [base_model(agent.model) for agent in agents]
-        if not all(lean_decoding_applies(model) for model in models):
-            return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
-        first_architecture, first_dtypes = architecture(models[0]), _weight_dtypes(models[0])
-        if any(architecture(model) != first_architecture for model in models[1:]):
-            return "the agents' models have different architectures"
-        if any(_weight_dtypes(model) != first_dtypes for model in models[1:]):
-            return "the agents' weights have different dtypes"
-        settings = [(a.generation_config.to_dict(), a.generation_kwargs, a.eos_token_ids) for a in agents]
-        if any(setting != settings[0] for setting in settings):
-            return "the agents sample with different settings"
-        return None
-
-    def _joint(self, prompts: list[list]) -> list:
-        agents, first = self.agents, self.agents[0]
-        prompt_ids = []
-        for agent, agent_prompts in zip(agents, prompts, strict=True):
-            ids, images, multimodal_fields = agent._tokenize_prompts(copy.deepcopy(agent_prompts))
-            if images is not None or multimodal_fields:
-                raise JointDecodingUnavailable("the prompts hold images")
-            prompt_ids.append(ids)
-        sizes = [len(ids) for ids in prompt_ids]
-        view = team_view([base_model(agent.model) for agent in agents], sizes, self.shared)
-        rows = [torch.tensor(ids) for agent_ids in prompt_ids for ids in agent_ids]
-        device = first.accelerator.device
-        input_ids = pad(rows, padding_value=first._tokenizer.pad_token_id, padding_side="left").to(device)
-        mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left").to(device)
-        with ExitStack() as stack:
-            for a, agent in enumerate(agents):
-                stack.enter_context(agent.generation_contexts(rows=sizes[a], team=view if a == 0 else None))
-            model = stack.enter_context(
-                unwrap_model_for_generation(
-                    first.model_wrapped,
-                    first.accelerator,
-                    gather_deepspeed3_params=first.args.ds3_gather_for_generation,
-                    generation_kwargs=first.generation_kwargs,
-                    gradient_checkpointing_kwargs=first.args.gradient_checkpointing_kwargs,
-                )
-            )
-            config = first.generation_config
-            sequences = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-        new_tokens = sequences[:, input_ids.shape[1] :].cpu().split(sizes)
-        rollouts = []
-        for agent, agent_prompts, ids, tokens in zip(agents, prompts, prompt_ids, new_tokens, strict=True):
-            output = {"prompt_ids": ids, "completion_ids": until_eos(tokens, agent.eos_token_ids), "logprobs": None}
-            with attribute_replaced(agent, "rollout_func", lambda _prompts, _trainer, output=output: output):
-                rollouts.append(Rollout(*GRPOTrainer._generate(agent, agent_prompts)))
-        return rollouts
-
-
 def until_eos(tokens: torch.Tensor, eos_token_ids: list[int]) -> list[list[int]]:
     """Each row's tokens up to and including its first end-of-sequence token (all of them without one), as TRL
     keeps a completion of transformers' `generate`."""
@@ -266,5 +162,6 @@ def until_eos(tokens: torch.Tensor, eos_token_ids: list[int]) -> list[list[int]]
     return completions
 
 
-def _weight_dtypes(model: nn.Module) -> set[torch.dtype]:
+def weight_dtypes(model: nn.Module) -> set[torch.dtype]:
+    """The dtypes of `model`'s parameters (a team decodes in one loop only where its agents' are the same)."""
     return {parameter.dtype for parameter in model.parameters()}

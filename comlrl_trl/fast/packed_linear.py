@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..adapters.helpers import zero_sharded
+from ..adapters.tensors import tensor_version
 
 
 logger = logging.getLogger(__name__)
@@ -118,10 +119,10 @@ def _fp16_weights(layer: nn.Linear) -> "Fp16WeightLinear | None":
     unchanged = (
         cached is not None
         and len(cached[0]) == len(params)
-        and all(ref() is p and version == p._version for (ref, version), p in zip(cached[0], params))
+        and all(ref() is p and version == tensor_version(p) for (ref, version), p in zip(cached[0], params))
     )
     if not unchanged:
-        state = tuple((weakref.ref(p), p._version) for p in params)
+        state = tuple((weakref.ref(p), tensor_version(p)) for p in params)
         cached = _frozen_fp16[layer] = (state, _fp16_copy(layer))
     return cached[1]
 

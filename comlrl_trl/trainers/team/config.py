@@ -168,6 +168,13 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             distributions, but are not the tokens separate calls draw (one draw per step covers every agent). Applies
             to Llama and Qwen2 teams of one architecture that sample with the same settings; elsewhere, and with
             `False`, every agent generates in its own call.
+        generation_backend (`str`, *optional*, defaults to `"auto"`):
+            How completions are sampled (`comlrl_trl/generation/team_generator.py`). `"transformers"`: each agent's
+            own TRL generation (transformers' `generate`), with nothing but the training precision around it.
+            `"cpu"`: the lean CPU generator (`comlrl_trl/fast/`): the speed-ups above and `joint_generation`, each
+            keeping transformers' tokens; an error where the agents do not generate on a CPU. `"auto"`: the lean
+            CPU generator on a CPU, else `"transformers"`. With the team's vLLM engines (`use_vllm`) the agents
+            sample through them whatever this says.
 
         > Parameters that control evaluation and logging
 
@@ -268,6 +275,13 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         default=True,
         metadata={
             "help": "On a CPU, decode every agent's rows in one loop (each with its own weights); False: one call each."
+        },
+    )
+    generation_backend: Literal["auto", "transformers", "cpu"] = field(
+        default="auto",
+        metadata={
+            "help": "How completions are sampled: 'cpu' (lean CPU generator), 'transformers' (each agent's generate), "
+            "'auto' (cpu on a CPU)."
         },
     )
     eval_interval: int = field(
@@ -513,6 +527,7 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
             raise ValueError(f"logging_steps counts optimiser updates and must be >= 1, got {self.logging_steps!r}.")
         check_output_dir(self.output_dir)
         _check_choice("joint_mode", self.joint_mode, ("align", "cross"))
+        _check_choice("generation_backend", self.generation_backend, ("auto", "transformers", "cpu"))
         _check_choice("advantage_mode", self.advantage_mode, ("mean", "raw", "max", "rloo"))
         self._validate_turns()
         if self.eval_strategy not in ("no", None) and str(self.eval_strategy) != "IntervalStrategy.NO":
