@@ -12,13 +12,18 @@ A checkpoint directory `checkpoint-N/` holds:
 
 Checkpoints are written into a hidden staging directory, unique to the run, and renamed into place, so a process
 killed while saving leaves the previous checkpoints intact and no partial `checkpoint-N`. One live run at a time
-may write a checkpoint directory: it holds an exclusive `flock` on `.comlrl_trl.lock` there for its whole
-`train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one). The
+may write a checkpoint directory (`RunLock`): it holds an exclusive `flock` on `.comlrl_trl.lock` there for its whole
+`train()` (the operating system releases it when the process dies, so a crashed run never blocks the next one on
+its host), and a lease in `.comlrl_trl.lease` whose heartbeat a thread refreshes every `LEASE_HEARTBEAT_S` seconds.
+The lease is what holds across hosts: on Lustre mounted `localflock` (each node sees only its own flocks) and on NFS
+mounted `nolock` (no flock: the run warns once and holds the lease alone), a second run refuses while another
+host's lease, or another live process's on the same host, had a heartbeat within `LEASE_EXPIRY_S` seconds, and takes
+over an older one with a warning (a run that dies on another node blocks the directory for up to that long). The
 same lock on `output_dir` is taken at the first `train()` and held while the trainer lives (`hold_output_dir`), so
 that the results written after training (`save_model`, a recipe's `models/` and `metrics.json`) are covered too.
-On a filesystem without a working `flock` (NFS mounted `nolock`, some Lustre setups) the run warns once and goes on
-without the lock: nothing then stops a second run from writing the same directory, and staging directories left by
-crashed runs are not cleaned up. Resuming verifies the manifest and names any missing or damaged file.
+Taking the lock removes the staging directories of dead runs, but keeps those a rank of a crashed run on another
+node may still write (changed within `LEASE_EXPIRY_S`). Resuming verifies the manifest and names any missing or
+damaged file.
 
 Hashing costs one read of every file (when saving, and on resume). With several processes the files are dealt out
 (`hash_shares`: balanced by bytes, the same on every process) and each process hashes its share, so N processes read
@@ -46,6 +51,8 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -119,6 +126,9 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
 
 
 LOCK_NAME = ".comlrl_trl.lock"
+LEASE_NAME = ".comlrl_trl.lease"
+LEASE_HEARTBEAT_S = 10.0  # how often a holder refreshes its lease
+LEASE_EXPIRY_S = 60.0  # a lease without a heartbeat for this long belongs to a dead (or hung) run
 _STAGING_RE = re.compile(r"^\.checkpoint-\d+\.[0-9a-f]+\.partial$")
 
 # Settings that change what a run computes. A resumed run must use the checkpoint's values (num_train_epochs and
@@ -206,32 +216,167 @@ def _describe_holder(text: str) -> str:
     return f"pid {pid} on host {host}" if host else f"pid {pid}"
 
 
+def _in_use(root: str, holder: str, more: str = "") -> RuntimeError:
+    return RuntimeError(
+        f"{root!r} is in use by another live training run ({holder}{more}): two runs must not write the same "
+        "directory (checkpoints, models, metrics). Wait for it to finish, stop it, or use another output_dir / "
+        "checkpoint_dir."
+    )
+
+
+def _read_lease(path: str) -> dict[str, Any] | None:
+    """The lease in `path`, or None where there is none (no file, or not a lease: a partial or foreign file)."""
+    try:
+        with open(path) as file:
+            lease = json.load(file)
+    except (OSError, ValueError):
+        return None
+    fields = {"host": str, "pid": int, "token": str, "heartbeat": (int, float)}
+    if not isinstance(lease, dict) or not all(isinstance(lease.get(k), t) for k, t in fields.items()):
+        return None
+    return lease
+
+
+def _write_lease(path: str, lease: dict[str, Any], replace: bool) -> bool:
+    """Write `lease` to `path` whole (a temporary file, then one atomic step); False where `replace` is False and
+    `path` exists already (`os.link` creates it only where it does not: one of two racing writers gets it)."""
+    temp = f"{path}.{lease['token']}.{threading.get_ident()}.tmp"
+    try:
+        with open(temp, "w") as file:
+            json.dump(lease, file)
+            file.flush()
+            os.fsync(file.fileno())
+        if replace:
+            os.replace(temp, path)
+            return True
+        try:
+            os.link(temp, path)
+        except FileExistsError:  # taken, or (NFS) a retried link that had made it: the file says which
+            found = _read_lease(path)
+            return found is not None and found["token"] == lease["token"]
+        except OSError:  # no hard links on this filesystem: an exclusive create, written in place
+            try:
+                descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(descriptor, "w") as file:
+                json.dump(lease, file)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True
+
+
+def _heartbeat(ref: "weakref.ref[RunLock]", stop: threading.Event, path: str, lease: dict[str, Any]) -> None:
+    """Refresh `lease` in `path` every `heartbeat_s` seconds of the lock until `stop` is set, or the lock is gone."""
+    lease = dict(lease)
+    while True:
+        lock = ref()
+        if lock is None:  # dropped without release (its flock closed with it): clear the lease as release would
+            found = _read_lease(path)
+            if found is not None and found["token"] == lease["token"]:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            return
+        interval = lock.heartbeat_s
+        del lock
+        if stop.wait(interval):
+            return
+        found = _read_lease(path)
+        if found is not None and found["token"] != lease["token"]:  # this run's heartbeat was late past the expiry
+            warnings.warn(
+                f"The run lease in {path!r} was taken over by {_lease_holder(found)} while this run held it (its "
+                "heartbeat was late by more than the expiry): two runs may now write the same directory. Stop one "
+                "of them.",
+                stacklevel=1,
+            )
+            return
+        lease["heartbeat"] = time.time()
+        with contextlib.suppress(OSError):  # a transient error (NFS): the next beat tries again
+            _write_lease(path, lease, replace=True)
+
+
+def _lease_holder(lease: dict[str, Any]) -> str:
+    return f"pid {lease['pid']} on host {lease['host']}"
+
+
 class RunLock:
     """An exclusive lock on a directory (checkpoint_dir, output_dir) for one run: a second live run refuses to start.
 
-    `flock` locks belong to the open file, so the operating system drops them when the process ends, however it
-    ends: a lock left by a killed run never blocks. The file records the holder's pid and host for the error message.
-    A directory this process already holds as an output_dir (`hold_output_dir`) is not locked a second time.
+    Two locks, one on top of the other:
 
-    Where `flock` fails with anything but "held by another process" (the filesystem has no working lock), the run
-    warns once per process and holds no lock (see the module docstring for what that gives up).
+    - `flock` on `.comlrl_trl.lock` (the holder's pid and host in it, for the error message). `flock` locks belong to
+      the open file, so the operating system drops them when the process ends, however it ends: a lock left by a
+      killed run never blocks a run on the same host.
+    - a lease in `.comlrl_trl.lease` (JSON: holder host, pid, a token of this lock, start and heartbeat times), which
+      a daemon thread refreshes every `heartbeat_s` seconds (`LEASE_HEARTBEAT_S`). It is what holds across hosts
+      where `flock` does not: Lustre's `localflock` (a flock seen only on its own node) and NFS mounted `nolock`
+      (no flock at all). A lease of another host, or of another live pid of this host where there is no flock,
+      refuses the run while its heartbeat is younger than `expiry_s` (`LEASE_EXPIRY_S`); an older one was left by a
+      run that died, or stopped beating: it is taken over with a warning. Where this process holds the flock, a
+      lease of this host is a dead run's (a live one would hold the flock): it is taken over silently. The lease is
+      created with `os.link` of a complete temporary file (exclusive: of two racing runs exactly one gets it) and
+      refreshed with `os.replace`; a stale one is moved aside with `os.rename`, which one taker does. The hosts'
+      clocks must agree to well within `expiry_s`.
+
+    A directory this process already holds as an output_dir (`hold_output_dir`) is not locked a second time. Where
+    `flock` fails with anything but "held by another process" (the filesystem has no working lock), the run warns
+    once per process and holds the lease alone.
+
+    `acquire` removes the staging directories (`.checkpoint-N.<token>.partial`) of other runs that no live process
+    may still be writing: every one where the directory held no lease, or the lease's holder was a dead process
+    of this host; where the lease was only old (another host's holder stopped beating), only those in which nothing
+    changed for `expiry_s` (a rank of that crashed job on another node may still write the others). `keep_token`
+    names this run's own, which are never removed.
     """
 
-    def __init__(self):
+    def __init__(self, heartbeat_s: float | None = None, expiry_s: float | None = None):
+        self.heartbeat_s = LEASE_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        self.expiry_s = LEASE_EXPIRY_S if expiry_s is None else expiry_s
+        if not 0 < self.heartbeat_s < self.expiry_s:
+            raise ValueError(
+                f"RunLock needs 0 < heartbeat_s < expiry_s, got heartbeat_s={self.heartbeat_s} and "
+                f"expiry_s={self.expiry_s}: a holder must beat several times within the expiry."
+            )
         self._file = None
+        self._lease_path = self._token = None
+        self._stop = None
+        self._thread = None
 
-    def acquire(self, root: str) -> None:
-        if fcntl is None or self._file is not None:
+    @property
+    def held(self) -> bool:
+        """Whether this lock holds its directory (a flock, a lease, or both)."""
+        return self._file is not None or self._lease_path is not None
+
+    def acquire(self, root: str, keep_token: str | None = None) -> None:
+        if fcntl is None or self.held:
             return
         os.makedirs(root, exist_ok=True)
-        if os.path.realpath(root) not in _HELD_FOR_PROCESS and not self._lock(root):
-            return
-        for name in os.listdir(root):  # staging directories of runs that died while saving
-            if _STAGING_RE.match(name):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if os.path.realpath(root) in _HELD_FOR_PROCESS:
+            live_holder_possible = False  # this process holds it: its staging directories are this run's or dead
+        else:
+            flocked = self._lock(root)
+            try:
+                live_holder_possible = self._take_lease(root, flocked)
+            except BaseException:
+                self._drop_flock(remove=False)
+                raise
+        self._remove_dead_staging(root, keep_token, live_holder_possible)
 
     def _lock(self, root: str) -> bool:
-        """Take the flock on `root`'s lock file and write this process into it; False where flock does not work."""
+        """Take the flock on `root`'s lock file; False where flock does not work."""
         path = os.path.join(root, LOCK_NAME)
         while True:
             file = open(path, "a+")
@@ -241,11 +386,7 @@ class RunLock:
                 file.seek(0)
                 holder = _describe_holder(file.read())
                 file.close()
-                raise RuntimeError(
-                    f"{root!r} is in use by another live training run ({holder}): two runs must not write the "
-                    "same directory (checkpoints, models, metrics). Wait for it to finish, stop it, or use another "
-                    "output_dir / checkpoint_dir."
-                ) from None
+                raise _in_use(root, holder) from None
             except OSError as error:  # no working flock on this filesystem (ENOLCK, EOPNOTSUPP, ...)
                 empty = os.fstat(file.fileno()).st_size == 0
                 file.close()
@@ -261,19 +402,111 @@ class RunLock:
             if same:
                 break
             file.close()  # the previous holder removed this file as we locked it: lock the new one
-        file.seek(0)
-        file.truncate()
-        file.write(f"{_holder()}\n")
-        file.flush()
         self._file, self._path = file, path
         return True
 
-    def release(self) -> None:
+    def _take_lease(self, root: str, flocked: bool) -> bool:
+        """Write this run's lease into `root`, or raise naming the live holder of the one there. True where the
+        lease found may belong to a live process (it was only old), False where there was none or its holder died."""
+        path = os.path.join(root, LEASE_NAME)
+        host, now = socket.gethostname(), time.time()
+        lease = {"host": host, "pid": os.getpid(), "token": uuid.uuid4().hex, "started": now, "heartbeat": now}
+        live_holder_possible = False
+        for _ in range(8):  # each pass loses one race at most: to a run that then holds the lease, or a taker
+            found = _read_lease(path)
+            if found is not None:
+                age = time.time() - found["heartbeat"]
+                if found["host"] == host and (flocked or not _pid_alive(found["pid"])):
+                    pass  # its holder is dead: with a flock here, a live one would hold it
+                elif age < self.expiry_s:
+                    raise _in_use(
+                        root,
+                        _lease_holder(found),
+                        f", lease heartbeat {max(age, 0.0):.0f} s ago, expires after {self.expiry_s:.0f} s without "
+                        "one",
+                    )
+                else:
+                    live_holder_possible = True
+                    warnings.warn(
+                        f"Taking over the run lease in {root!r} from {_lease_holder(found)}: its last heartbeat was "
+                        f"{age:.0f} s ago (expiry {self.expiry_s:.0f} s), so that run died or hangs.",
+                        stacklevel=4,
+                    )
+                aside = f"{path}.{lease['token']}.stale"
+                try:
+                    os.rename(path, aside)
+                except FileNotFoundError:
+                    continue  # another run moved it first: look again
+                moved = _read_lease(aside)
+                if moved is not None and moved["token"] != found["token"]:  # a new holder's, written meanwhile
+                    with contextlib.suppress(OSError):
+                        os.link(aside, path)  # put it back (unless yet another run wrote one): it refuses us next
+                with contextlib.suppress(OSError):
+                    os.remove(aside)
+                if moved is not None and moved["token"] != found["token"]:
+                    continue
+            if not _write_lease(path, lease, replace=False):
+                continue  # another run created it between our read and our write: look again
+            written = _read_lease(path)
+            if written is None or written["token"] != lease["token"]:
+                raise _in_use(root, _lease_holder(written) if written else "another run took the lease as we wrote")
+            break
+        else:
+            raise _in_use(root, "the lease changed hands repeatedly while this run tried to take it")
         if self._file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self._path)  # while still holding the lock, so no other run holds a removed file
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"{_holder()}\n")
+            self._file.flush()
+        self._lease_path, self._stop = path, threading.Event()
+        self._thread = threading.Thread(
+            target=_heartbeat,
+            args=(weakref.ref(self), self._stop, path, lease),
+            name=f"comlrl_trl-lease-{root}",
+            daemon=True,
+        )
+        self._token = lease["token"]
+        self._thread.start()
+        return live_holder_possible
+
+    def _remove_dead_staging(self, root: str, keep_token: str | None, live_holder_possible: bool) -> None:
+        """Remove the staging directories that no live process may still write (see the class docstring)."""
+        for name in os.listdir(root):
+            if not _STAGING_RE.match(name) or (keep_token is not None and f".{keep_token}." in name):
+                continue
+            path = os.path.join(root, name)
+            if live_holder_possible and time.time() - _newest_mtime(path) < self.expiry_s:
+                continue  # touched within the expiry: a rank of the crashed run may still be writing it
+            shutil.rmtree(path, ignore_errors=True)
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=10)
+            found = _read_lease(self._lease_path)
+            if found is not None and found["token"] == self._token:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._lease_path)  # before the flock goes, so no run on this host sees a live lease
+            self._lease_path = self._stop = self._thread = None
+        self._drop_flock(remove=True)
+
+    def _drop_flock(self, remove: bool) -> None:
+        if self._file is not None:
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._path)  # while still holding the lock, so no other run holds a removed file
             self._file.close()  # closing drops the flock
             self._file = None
+
+
+def _newest_mtime(path: str) -> float:
+    """The latest modification time of `path` and everything under it."""
+    newest = os.lstat(path).st_mtime
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(folder, name)).st_mtime)
+    return newest
 
 
 # output_dir (real path) -> its lock, held while a trainer that trains into it lives (at most until the process exits)
@@ -388,10 +621,10 @@ def _warn_no_flock(root: str, error: OSError) -> None:
         return
     _warned_no_flock = True
     warnings.warn(
-        f"The filesystem of {root!r} has no working flock ({error.strerror or error}): training goes on without the "
-        "lock that keeps a second run from writing the same checkpoint directory, and staging directories of "
-        "crashed runs are left in place. Make sure only one run uses this directory, or put checkpoint_dir on a "
-        "filesystem with locking (a local disk, or NFS mounted with locking).",
+        f"The filesystem of {root!r} has no working flock ({error.strerror or error}): the run holds the directory "
+        f"with a lease alone ({LEASE_NAME}, a heartbeat every {LEASE_HEARTBEAT_S:.0f} s), so a run that dies on "
+        f"another host blocks the directory for up to {LEASE_EXPIRY_S:.0f} s, and the hosts' clocks must agree to "
+        "within a few seconds. A filesystem with locking (a local disk, or NFS mounted with locking) needs neither.",
         stacklevel=4,
     )
 

@@ -6,18 +6,19 @@ is reused as it is; TRL removed its own PPO trainer in 1.13.
 """
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from numbers import Real
-from typing import Any
+from typing import Any, Unpack
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel
 
 from ...adapters.grpo import AgentGRPOTrainer, zero3_enabled
 from ...adapters.helpers import call_save_model
 from ...core.values import value_loss
 from ...inputs import model_name
 from ...value_models import CausalLMWithValueHead, value_positions
+from ..team.inputs import TeamKwargs, team_init, team_inputs
 from ..team.metrics_hooks import EvalMetrics, check_metrics_hooks
 from ..team.trainer import TeamTrainer
 from .ac_config import ActorCriticConfig
@@ -59,36 +60,31 @@ class ActorCriticTrainer(TeamTrainer):
 
     metrics_hooks = ("eval_logger", "metrics_callback")
 
+    @team_init(without=("num_agents",))  # CoMLRL's IAC/MAAC take the agent count from args.num_agents
     def __init__(
         self,
         agent_model: str | PreTrainedModel | None = None,
         *,
-        agents: Sequence[str | PreTrainedModel] | None = None,
-        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        reward_func: Callable | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        args: ActorCriticConfig | None = None,
-        external_transition: Callable | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        eval_logger: Callable | None = None,
-        eval_aggregator: Callable | None = None,
-        metrics_callback: Callable | None = None,
-        peft_config: Any = None,
-        callbacks: list[TrainerCallback] | None = None,
         critic_model: str | PreTrainedModel | None = None,
         critics: Sequence[str | PreTrainedModel] | None = None,
         critic_peft_config: Any = None,
         model_config: dict[str, Any] | None = None,
+        **team_kwargs: Unpack[TeamKwargs],
     ):
+        inputs = team_inputs(team_kwargs)
+        args, agents = inputs["args"], inputs["agents"]
         if args is None:
             args = self.default_config_cls()
         if not isinstance(args, self.default_config_cls):
             raise TypeError(f"args must be a {self.default_config_cls.__name__}, got {type(args).__name__}.")
-        check_metrics_hooks(type(self).__name__, self.metrics_hooks, eval_logger, eval_aggregator, metrics_callback)
-        if agents is not None and tokenizer is None:
+        check_metrics_hooks(
+            type(self).__name__,
+            self.metrics_hooks,
+            inputs["eval_logger"],
+            inputs["eval_aggregator"],
+            inputs["metrics_callback"],
+        )
+        if agents is not None and inputs["tokenizer"] is None:
             raise ValueError(
                 f"{type(self).__name__} needs tokenizer=... when agents are given (even as model ids): one tokenizer "
                 "for all agents or a list with one per agent."
@@ -97,24 +93,7 @@ class ActorCriticTrainer(TeamTrainer):
         n = len(agents) if agents is not None else args.num_agents
         critic_sources = self._critic_sources(critic_model, critics, n, args)
         self._critic_setup = (critic_sources, critic_kwargs, critic_peft_config)  # built with the orchestrator
-        super().__init__(
-            agent_model,
-            agents=agents,
-            tokenizer=tokenizer,
-            formatters=formatters,
-            reward_func=reward_func,
-            reward_processor=reward_processor,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            args=args,
-            external_transition=external_transition,
-            wandb_config=wandb_config,
-            eval_logger=eval_logger,
-            eval_aggregator=eval_aggregator,
-            metrics_callback=metrics_callback,
-            peft_config=peft_config,
-            callbacks=callbacks,
-        )
+        super().__init__(agent_model, **{**team_kwargs, "args": args})
 
     # ----- construction -----
 

@@ -7,17 +7,16 @@ the weights of the generation step and held fixed. The team loop, LoRA, Accelera
 [`MAGRPOTrainer`]'s; every agent is a `MADPOAgent`.
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
-from datasets import Dataset, IterableDataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel
 
 from ...adapters.grpo import AgentGRPOTrainer, _cpu_head, completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
 from ...loading import is_peft_model
+from ..team.inputs import TeamKwargs, team_init
 from ..team.trainer import TeamTrainer
 from .madpo_config import MADPOConfig
 from .pairs import pair_rng
@@ -152,27 +151,9 @@ class MADPOTrainer(TeamTrainer):
     algorithm_name = "MADPO"
     model_tags = ("trl", "dpo", "comlrl_trl", "madpo")
 
-    def __init__(
-        self,
-        agent_model: str | PreTrainedModel | None = None,
-        *,
-        agents: Sequence[str | PreTrainedModel] | None = None,
-        num_agents: int | None = None,
-        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        reward_func: Callable | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        train_dataset: Dataset | IterableDataset | None = None,
-        eval_dataset: Dataset | IterableDataset | None = None,
-        args: MADPOConfig | None = None,
-        external_transition: Callable | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        eval_logger: Callable | None = None,
-        eval_aggregator: Callable | None = None,
-        metrics_callback: Callable | None = None,
-        peft_config: Any = None,
-        callbacks: list[TrainerCallback] | None = None,
-    ):
+    @team_init
+    def __init__(self, agent_model: str | PreTrainedModel | None = None, **team_kwargs: Unpack[TeamKwargs]):
+        args = team_kwargs.get("args")
         if args is not None and not isinstance(args, MADPOConfig):
             raise TypeError(f"args must be a MADPOConfig, got {type(args).__name__}.")
         if args is not None and args.per_device_train_batch_size % args.num_generations != 0:
@@ -180,25 +161,7 @@ class MADPOTrainer(TeamTrainer):
                 f"per_device_train_batch_size={args.per_device_train_batch_size} must be a multiple of "
                 f"preference_num_candidates={args.num_generations}: a micro-step trains on whole items' pairs."
             )
-        super().__init__(
-            agent_model,
-            agents=agents,
-            num_agents=num_agents,
-            tokenizer=tokenizer,
-            formatters=formatters,
-            reward_func=reward_func,
-            reward_processor=reward_processor,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            args=args,
-            external_transition=external_transition,
-            wandb_config=wandb_config,
-            eval_logger=eval_logger,
-            eval_aggregator=eval_aggregator,
-            metrics_callback=metrics_callback,
-            peft_config=peft_config,
-            callbacks=callbacks,
-        )
+        super().__init__(agent_model, **team_kwargs)
 
     def _run_config(self) -> dict[str, Any]:
         return {

@@ -7,14 +7,14 @@ import gc
 import os
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate.utils import gather_object
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import RewardConfig
 
@@ -25,6 +25,7 @@ from ...formatters import build_formatters, format_prompt
 from ...inputs import check_reward_arity, resolve_agent_sources
 from ...joint_reward import JointReward
 from ...joint_text import joint_text
+from ..team.inputs import TeamKwargs, team_init, team_inputs
 from ..team.metrics_hooks import check_metrics_hooks
 from .marlhf_checkpoints import MARLHFCheckpoints, StageCheckpointCallback
 from .marlhf_config import MARLHFConfig, MARLHFIterConfig
@@ -92,36 +93,24 @@ class MARLHFTrainer(MARLHFCheckpoints):
     config_cls = MARLHFConfig
     algorithm_name = "MARLHF"
 
+    @team_init
     def __init__(
         self,
         agent_model: str | PreTrainedModel | None = None,
         *,
-        agents: Sequence[str | PreTrainedModel] | None = None,
-        num_agents: int | None = None,
-        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        reward_func: Callable | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        train_dataset: Dataset | None = None,
-        eval_dataset=None,
-        args: MARLHFConfig | None = None,
-        external_transition: Callable | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        eval_logger: Callable | None = None,
-        eval_aggregator: Callable | None = None,
-        metrics_callback: Callable | None = None,
-        peft_config: Any = None,
-        callbacks: list[TrainerCallback] | None = None,
         critic_model: str | PreTrainedModel | None = None,
         critics: Sequence[str | PreTrainedModel] | None = None,
         critic_peft_config: Any = None,
         model_config: dict[str, Any] | None = None,
         reward_peft_config: Any = None,
         joint_formatter: Callable | None = None,
+        **team_kwargs: Unpack[TeamKwargs],
     ):
+        inputs = team_inputs(team_kwargs)
+        args, reward_func, train_dataset = inputs["args"], inputs["reward_func"], inputs["train_dataset"]
         if args is not None and not isinstance(args, self.config_cls):
             raise TypeError(f"args must be a {self.config_cls.__name__}, got {type(args).__name__}.")
-        sources = resolve_agent_sources(agent_model, agents, num_agents, args)
+        sources = resolve_agent_sources(agent_model, inputs["agents"], inputs["num_agents"], args)
         args = args if args is not None else self.config_cls(num_agents=len(sources))
         _validate_inputs(
             args,
@@ -129,11 +118,11 @@ class MARLHFTrainer(MARLHFCheckpoints):
             train_dataset,
             critic_model,
             critics,
-            metrics_callback,
+            inputs["metrics_callback"],
             model_config,
             critic_peft_config,
-            eval_logger,
-            eval_aggregator,
+            inputs["eval_logger"],
+            inputs["eval_aggregator"],
             reward_peft_config,
             joint_formatter,
         )
@@ -146,8 +135,8 @@ class MARLHFTrainer(MARLHFCheckpoints):
             and (args.rl_algorithm == "maac" or args.use_separate_critic)
         ):
             critic_model = args.critic_model_name or default_source(sources, "critic", "critic_model_name")
-        self.formatters = build_formatters(formatters, len(sources))
-        self.task_reward = JointReward(reward_func, reward_processor)
+        self.formatters = build_formatters(inputs["formatters"], len(sources))
+        self.task_reward = JointReward(reward_func, inputs["reward_processor"])
         self.joint_formatter = joint_formatter if joint_formatter is not None else joint_text
         self.learned_reward = LearnedJointReward(self.task_reward, self.formatters, self.joint_formatter)
         self.reward_peft_config = reward_peft_config
@@ -160,27 +149,15 @@ class MARLHFTrainer(MARLHFCheckpoints):
             args,
             stage_config(args, self._rl_num_iterations()),
             self.learned_reward,
-            agent_model=agent_model,
-            agents=agents,
-            num_agents=num_agents,
-            tokenizer=tokenizer,
-            formatters=self.formatters,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            external_transition=external_transition,
-            wandb_config=wandb_config,
-            eval_logger=eval_logger,
-            eval_aggregator=eval_aggregator,
-            peft_config=peft_config,
-            callbacks=callbacks,
+            agent_model,
             critic_model=critic_model,
             critics=critics,
-            metrics_callback=metrics_callback,
             model_config=model_config,
             critic_peft_config=critic_peft_config,
+            **{**team_kwargs, "formatters": self.formatters},
         )
         _check_reward_model_device(args.reward_model_device, self.rl_trainer.accelerator.num_processes)
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.train_dataset, self.eval_dataset = train_dataset, inputs["eval_dataset"]
         self.reward_model: PreTrainedModel | None = None
         self.preference_pairs: list[PreferencePair] = []
         self.log_history: list[dict[str, Any]] = []

@@ -8,12 +8,13 @@ import copy
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from ...adapters.grpo import completion_text
 from ...algorithms import get_algorithm
 from ..actor_critic import IACTrainer, MAACTrainer
 from ..reinforce.magrpo_trainer import MAGRPOTrainer
+from ..team.inputs import TeamKwargs
 from ..team.trainer import TeamTrainer
 from .marlhf_config import MARLHFConfig
 from .reward_model import LearnedJointReward
@@ -107,55 +108,31 @@ def stage_config(args: MARLHFConfig, rl_num_iterations: int | None):
 
 
 def build_stage_trainer(
-    args: MARLHFConfig,
+    marlhf_args: MARLHFConfig,
     stage_args,
     learned_reward: LearnedJointReward,
+    agent_model=None,
     *,
-    agent_model,
-    agents,
-    num_agents,
-    tokenizer,
-    formatters,
-    train_dataset,
-    eval_dataset,
-    external_transition,
-    wandb_config,
-    eval_logger,
-    eval_aggregator,
-    peft_config,
-    callbacks,
-    critic_model,
-    critics,
-    metrics_callback,
-    model_config,
-    critic_peft_config,
+    critic_model=None,
+    critics=None,
+    model_config: dict[str, Any] | None = None,
+    critic_peft_config=None,
+    **team_kwargs: Unpack[TeamKwargs],
 ) -> TeamTrainer:
-    """The stage trainer for `args.rl_algorithm`, rewarded by `learned_reward` (no reward processor: learned scores
-    are used as they are)."""
-    common = dict(
-        agent_model=agent_model,
-        agents=agents,
-        tokenizer=tokenizer,
-        formatters=formatters,
-        reward_func=learned_reward,
-        reward_processor=None,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        args=stage_args,
-        external_transition=external_transition,
-        wandb_config=wandb_config,
-        eval_logger=eval_logger,
-        eval_aggregator=eval_aggregator,
-        metrics_callback=metrics_callback,
-        peft_config=peft_config,
-        callbacks=callbacks,
-    )
-    trainer_cls = stage_trainer_cls(args)
-    if args.uses_actor_critic:
-        if args.rl_algorithm == "maac" and args.critic_value_head_hidden_dim is not None:
+    """The stage trainer for `marlhf_args.rl_algorithm` with MARLHF's team arguments `team_kwargs`, configured by
+    `stage_args` and rewarded by `learned_reward` (no reward processor: learned scores are used as they are)."""
+    common = {**team_kwargs, "reward_func": learned_reward, "reward_processor": None, "args": stage_args}
+    trainer_cls = stage_trainer_cls(marlhf_args)
+    if marlhf_args.uses_actor_critic:
+        if marlhf_args.rl_algorithm == "maac" and marlhf_args.critic_value_head_hidden_dim is not None:
             # MAAC takes its critic head size through model_config; MARLHFConfig has a field for it
-            model_config = {**(model_config or {}), "critic_value_head_hidden_dim": args.critic_value_head_hidden_dim}
+            model_config = {
+                **(model_config or {}),
+                "critic_value_head_hidden_dim": marlhf_args.critic_value_head_hidden_dim,
+            }
+        common.pop("num_agents", None)  # IAC/MAAC count their agents with args.num_agents
         trainer = trainer_cls(
+            agent_model,
             critic_model=critic_model,
             critics=critics,
             critic_peft_config=critic_peft_config,
@@ -163,7 +140,7 @@ def build_stage_trainer(
             **common,
         )
     else:
-        trainer = trainer_cls(num_agents=num_agents, **common)
+        trainer = trainer_cls(agent_model, **common)
     trainer.learned_reward = learned_reward
     return trainer
 

@@ -7,12 +7,13 @@ evaluation and checkpoints are MAGRPO's.
 """
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from ...centralized import CentralizedCollaboration, TaggedCentralizedComparatorAdapter
 from ...checkpoint import stateful_objects
+from ..team.inputs import TeamKwargs, team_init, team_inputs
 from .magrpo_config import MAGRPOConfig
 from .magrpo_trainer import MAGRPOTrainer
 
@@ -70,21 +71,11 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     default_config_cls = CentralizedMAGRPOConfig
     model_tags = (*MAGRPOTrainer.model_tags, "centralized")
 
-    def __init__(
-        self,
-        *,
-        agent_model=None,
-        agents: Sequence[Any] | None = None,
-        num_agents: int | None = None,
-        tokenizer=None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        reward_func: Callable | None = None,
-        args: CentralizedMAGRPOConfig | None = None,
-        eval_logger: Callable | None = None,
-        eval_aggregator: Callable | None = None,
-        centralized_adapter=None,
-        **kwargs,
-    ):
+    @team_init(shown_kwargs=True)  # CoMLRL's signature: keyword-only, ending in **kwargs
+    def __init__(self, *, agent_model=None, centralized_adapter=None, **team_kwargs: Unpack[TeamKwargs]):
+        inputs = team_inputs(team_kwargs)
+        num_agents, args = inputs["num_agents"], inputs["args"]
+        agents, tokenizer, reward_func = inputs["agents"], inputs["tokenizer"], inputs["reward_func"]
         roles = num_agents if num_agents is not None else (args.num_agents if args is not None else 2)
         if args is None:
             args = self.default_config_cls(num_agents=roles)
@@ -101,21 +92,20 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         if reward_func is None:
             raise ValueError("reward_func is required: a callable returning one reward per joint completion.")
         adapter = centralized_adapter if centralized_adapter is not None else TaggedCentralizedComparatorAdapter()
-        self.collaboration = CentralizedCollaboration(adapter, formatters, reward_func, roles)
+        self.collaboration = CentralizedCollaboration(adapter, inputs["formatters"], reward_func, roles)
         self.num_roles = roles
         policy_args = copy.deepcopy(args)  # a copy, not a new instance: that would reset Accelerate's state
         policy_args.num_agents = 1
         super().__init__(
-            agent_model=agent_model,
-            agents=agents,
-            num_agents=1,
-            tokenizer=tokenizer,
-            formatters=self.collaboration.build_prompt,
-            reward_func=self.collaboration,
-            args=policy_args,
-            eval_logger=self._role_eval_logger(eval_logger),
-            eval_aggregator=eval_aggregator,
-            **kwargs,
+            agent_model,
+            **{
+                **team_kwargs,
+                "num_agents": 1,
+                "formatters": self.collaboration.build_prompt,
+                "reward_func": self.collaboration,
+                "args": policy_args,
+                "eval_logger": self._role_eval_logger(inputs["eval_logger"]),
+            },
         )
 
     def _role_eval_logger(self, eval_logger: Callable | None) -> Callable | None:

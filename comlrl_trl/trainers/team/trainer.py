@@ -22,12 +22,11 @@ import os
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
-from datasets import Dataset, IterableDataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
@@ -50,21 +49,26 @@ from ...inputs import (
 from ...integrations.progress import TeamProgressCallback
 from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbose_from_wandb_config
 from ...joint_reward import JointReward
-from ...loading import check_model_source, is_peft_model, one_device_loading
+from ...loading import check_model_source, is_peft_model, one_device_loading, shared_lora_bases
 from ...orchestrator import JointRolloutOrchestrator
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
 from .checkpoints import TeamCheckpoints
 from .config import TeamConfig
 from .evaluation import TeamEvaluation
+from .inputs import TeamKwargs, team_init, team_inputs
 from .metrics_hooks import EvalMetrics, MetricsHookName, check_metrics_hooks, eval_logger_metrics
 
 
 class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     """The team loop every family shares: N agents' TRL trainers, the joint rollout, checkpoints and evaluation.
 
-    Users train with a family's class ([`MAGRPOTrainer`], [`IACTrainer`], [`MADPOTrainer`], ...); its docstring
-    lists the arguments, which are the ones of `__init__` here plus the family's own.
+    Users train with a family's class ([`MAGRPOTrainer`], [`IACTrainer`], [`MADPOTrainer`], ...). The arguments
+    every family shares after `agent_model` are declared once, as `TeamKwargs` (`trainers/team/inputs.py`), and
+    documented in [`MAGRPOTrainer`]'s docstring; a family's `__init__` declares only its own and passes
+    `**team_kwargs` on (`team_init` gives it the full signature and names a misspelt keyword).
+
+    The team has no tokenizer of its own (`processing_class` is None): every agent tokenises with its own.
     """
 
     default_config_cls = TeamConfig
@@ -73,27 +77,26 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
     algorithm_name = "team"  # each family names its algorithm (logged, saved with the run)
     model_tags: tuple[str, ...] = ("trl", "grpo", "comlrl_trl")  # every agent's model's Hub tags
 
-    def __init__(
-        self,
-        agent_model: str | PreTrainedModel | None = None,
-        *,
-        agents: Sequence[str | PreTrainedModel] | None = None,
-        num_agents: int | None = None,
-        tokenizer: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        reward_func: Callable | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        train_dataset: Dataset | IterableDataset | None = None,
-        eval_dataset: Dataset | IterableDataset | None = None,
-        args: TeamConfig | None = None,
-        external_transition: Callable | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        eval_logger: Callable | None = None,
-        eval_aggregator: Callable | None = None,
-        metrics_callback: Callable | None = None,
-        peft_config: Any = None,
-        callbacks: list[TrainerCallback] | None = None,
-    ):
+    @team_init
+    def __init__(self, agent_model: str | PreTrainedModel | None = None, **team_kwargs: Unpack[TeamKwargs]):
+        (
+            agents,
+            num_agents,
+            tokenizer,
+            formatters,
+            reward_func,
+            reward_processor,
+            train_dataset,
+            eval_dataset,
+            args,
+            external_transition,
+            wandb_config,
+            eval_logger,
+            eval_aggregator,
+            metrics_callback,
+            peft_config,
+            callbacks,
+        ) = team_inputs(team_kwargs).values()  # TeamKwargs' order
         if args is not None and not isinstance(args, TeamConfig):
             name = self.default_config_cls.__name__
             raise TypeError(f"args must be a {name} (or a subclass), got {type(args).__name__}.")
@@ -126,12 +129,13 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         # Every agent's args are copied before any agent exists: creating TrainingArguments later would reset the
         # Accelerate state the live trainers share. `args.agent_overrides` gives an agent its own values.
         agent_args = [_agent_args(args, i) for i in range(n)]
+        models = shared_lora_bases(models, peft_configs, agent_args)  # one frozen LoRA base per process, not N
         # Without a train_dataset the trainer can only evaluate: TRL's trainers get a one-row stand-in, dropped below.
         trl_dataset = train_dataset if train_dataset is not None else Dataset.from_dict({"prompt": [""]})
 
         # The team's Trainer first: its Accelerator is the process's first, whose state (and DeepSpeed plugin) every
-        # agent's reuses. Then the agents, all alike.
-        super().__init__(args, train_dataset, tokenizers[0], callbacks)
+        # agent's reuses. It has no tokenizer of its own: every agent tokenises with its own. Then the agents, all alike.
+        super().__init__(args, train_dataset, None, callbacks)
         with _without_trl_engines(agent_args):  # with use_vllm, the team's engines replace one TRL engine per agent
             agents = [
                 self.agent_cls(
@@ -205,11 +209,13 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         return [agent.processing_class for agent in self.agent_trainers]
 
     def _share_frozen_base_weights(self) -> None:
-        """LoRA agents on the same base model keep one copy of its frozen weights instead of N.
+        """LoRA agents passed as separate model objects keep one copy of their equal frozen weights instead of N.
 
-        The base weights of a PEFT model never change (only adapters train, and the reference is the base with
-        the adapter disabled), so agents whose frozen parameters are equal can point at the same tensors. Skipped
-        under DeepSpeed and FSDP, which own parameter storage.
+        Agents loaded from one model id or path already hold the same frozen `Parameter` objects from the start
+        (`loading.shared_lora_bases`, under DeepSpeed ZeRO-1/2 too); this covers model objects the user loaded. The
+        base weights of a PEFT model never change (only adapters train, and the reference is the base with the
+        adapter disabled), so equal frozen tensors can be one. Skipped under DeepSpeed and FSDP, which own parameter
+        storage once they have prepared the models.
         """
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return
