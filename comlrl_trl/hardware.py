@@ -90,8 +90,10 @@ def keep_freed_cpu_memory() -> bool:
     memory has pages. Here every allocation comes from the heap (`M_MMAP_MAX=0`), which is never trimmed
     (`M_TRIM_THRESHOLD`) and grows in 256 MB strides (`M_TOP_PAD`, address space only until touched). What a step
     freed stays in the process for the next: peak memory is the same on SmolLM2, about 90 MB higher on the tiny
-    test models. Process-wide and one-way; applied once. Returns whether it applied (False where the C
-    library has no `mallopt`, e.g. musl or macOS).
+    test models. Process-wide and one-way: the settings hold for every library and thread of the process until it
+    ends, and nothing here undoes them; applied once. The trainers call it only when asked
+    (`TeamConfig.keep_freed_cpu_memory`, off by default). Returns whether it applied (False where the C library has
+    no `mallopt`, e.g. musl or macOS).
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -94,6 +94,8 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(make_team, monkeyp
     for keep in (True, False):
         make_team(keep_freed_cpu_memory=keep)
     assert calls == [1]
+    make_team()  # off by default: a process-wide setting is asked for, never implied
+    assert calls == [1]
 
 
 def test_replaced_attribute_comes_back_after_an_error():
@@ -173,9 +175,8 @@ def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_
 
 @bf16_kernels
 def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
-    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
-
     from comlrl_trl.fast.packed_linear import PackedLinear
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
 
     trainer = make_team(bf16=True, use_cpu=True)
     calls = []
@@ -336,9 +337,8 @@ def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path)
 
 
 def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_off(make_team, monkeypatch):
-    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
-
     from comlrl_trl.fast import packed_linear
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
 
     monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
     monkeypatch.setattr(packed_linear, "FP16_MIN_NEW_TOKENS", 8)  # and a call of 8 tokens as long
@@ -347,7 +347,8 @@ def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_
     monkeypatch.setattr(
         packed_linear.Fp16WeightLinear, "__call__", lambda self, hidden: calls.append(1) or call(self, hidden)
     )
-    settings = [({}, True), ({"max_new_tokens": 7}, False), ({"cpu_fp16_generation_weights": False}, False)]
+    on = {"cpu_fp16_generation_weights": True}
+    settings = [(on, True), ({**on, "max_new_tokens": 7}, False), ({}, False)]  # off by default
     for setting, expected in settings:
         trainer = make_team(bf16=False, use_cpu=True, **setting)
         for agent in trainer.agent_trainers:

@@ -20,17 +20,35 @@ written by its products instead of zeroed and added to, and each weight chunk ca
 per token chunk and product.
 
 Applies on a CPU without a bias, logit soft-capping or a gradient for the entropy; the rest is TRL's own backward.
+
+`cpu_fused_head(model)` runs it, for one block and for `model` only: TRL's module is never changed (see there).
 """
 
+import importlib
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE, ChunkedLogProbFunction
+from trl.kernels.chunked_logprob import _use_triton as _trl_use_triton
 from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from ..loading import base_model
 
 
 # Vocabulary rows per product of the weight's gradient: its output buffer (4.7 MB in bf16 for SmolLM2) is reused.
 # A whole chunk's product (38 MB) would be a fresh allocation above glibc's mmap threshold, page-faulted at every
 # backward.
 _WEIGHT_BLOCK = 4096
+
+
+_TRL_UTILS = importlib.import_module("trl.trainer.utils")
+# The globals TRL's fused forward (`add_fused_lm_head`) reads at call time for its head: which positions it scores
+# and the autograd function that scores them.
+_HEAD_GLOBALS = {"_use_triton", "_ChunkedLogProbFunction"}
 
 
 class CpuChunkedLogProb(ChunkedLogProbFunction):
@@ -126,3 +144,76 @@ def _logits_grad_(
     if scale != 1.0:
         p.mul_(scale)
     tile.copy_(p)
+
+
+def _scores_completions_only(device: torch.device) -> bool:
+    """TRL's `_use_triton` with CPUs added: its head then projects only the positions whose label is set.
+
+    TRL projects every position, prompt included, on devices without Triton: devices that compile kernels (Neuron)
+    would recompile for every new number of positions. A CPU compiles nothing, and there scoring the prompt too made
+    the head, its backward and its fp32 gradient of the vocabulary matrix cost several times what the completions
+    need. The values are TRL's up to the rounding of a matrix product over fewer rows; positions without a label get
+    log-probability 0 and no gradient either way.
+    """
+    return device.type == "cpu" or _trl_use_triton(device)
+
+
+def _trl_fused_function(module: nn.Module) -> types.FunctionType | None:
+    """The function of TRL's fused forward installed on `module` by `add_fused_lm_head` (also under Accelerate's
+    mixed-precision wrapper, which keeps TRL's bound method as `_original_forward`), or None."""
+    for forward in (vars(module).get("_original_forward"), vars(module).get("forward")):
+        function = getattr(forward, "__func__", None)
+        if (
+            isinstance(function, types.FunctionType)
+            and function.__globals__ is vars(_TRL_UTILS)  # its name and module are the model's (`functools.wraps`)
+            and function.__code__.co_name == "_fused_forward"
+            and _HEAD_GLOBALS <= set(function.__code__.co_names)
+        ):
+            return function
+    return None
+
+
+def _with_cpu_head(function: types.FunctionType) -> types.FunctionType:
+    """A copy of TRL's fused forward `function` (same code, closure and defaults) that reads `_use_triton` and
+    `_ChunkedLogProbFunction` from its own globals: `_scores_completions_only` and `CpuChunkedLogProb`. TRL's module
+    dictionary is copied at each call, so the copy sees whatever else TRL's module holds then."""
+    own_globals = {**vars(_TRL_UTILS), "_use_triton": _scores_completions_only}
+    own_globals["_ChunkedLogProbFunction"] = CpuChunkedLogProb
+    copy = types.FunctionType(
+        function.__code__, own_globals, function.__name__, function.__defaults__, function.__closure__
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+@contextmanager
+def cpu_fused_head(model: nn.Module | None) -> Iterator[None]:
+    """A block in which `model`'s TRL fused log-probability head, on a CPU, scores the completion positions only
+    (`_scores_completions_only`) with the in-place backward of `CpuChunkedLogProb` (TRL's values).
+
+    Only `model` changes, and only for the block: the module carrying TRL's fused forward (`model`'s PEFT base model,
+    or `model`) gets an instance `forward`, a copy of TRL's with those two globals of its own, and its previous
+    instance `forward` back afterwards, also when the block raises. TRL's module (`trl.trainer.utils`) is not touched,
+    so another thread, another agent's model and TRL's own trainers keep TRL's head. Under Accelerate's mixed
+    precision the copy replaces Accelerate's wrapper for the block: TRL's log-probability forward already runs the
+    model under `accelerator.autocast()`, and the head's outputs are fp32, which the wrapper's conversion leaves as
+    they are. Nothing changes off a CPU, for `model=None`, or where TRL's fused forward is not found (then TRL's
+    head runs as it is).
+    """
+    if isinstance(model, DistributedDataParallel):  # CPU runs of several processes (gloo)
+        model = model.module
+    module = None if model is None else base_model(model)
+    function = None if module is None else _trl_fused_function(module)
+    if function is None or module.get_output_embeddings().weight.device.type != "cpu":
+        yield
+        return
+    missing = object()
+    previous = vars(module).get("forward", missing)
+    module.forward = types.MethodType(_with_cpu_head(function), module)
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del module.forward
+        else:
+            module.forward = previous

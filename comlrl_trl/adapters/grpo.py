@@ -19,7 +19,6 @@ agent for the length of one TRL call, set and cleared in a `try`/`finally` here 
   duration of `policy_loss` (the first `_get_per_token_logps_and_entropies` call fills it in).
 """
 
-import importlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -33,9 +32,10 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from ..hardware import enable_cpu_fp16
-from .cpu_logprob import CpuChunkedLogProb
+from .cpu_logprob import cpu_fused_head
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
-from .shared_prompt import SharedPromptModel, shares_prompts
+from .logprob_forward import AgentLogProbForward
+from .shared_prompt import shares_prompts
 
 
 logger = logging.get_logger(__name__)
@@ -370,16 +370,22 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._ratio_for = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._shares_prompts(model, args, kwargs):
-            model = SharedPromptModel(model, prompt_length=input_ids.size(1) - logits_to_keep)
-        with _cpu_head():
-            out = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
+        model = self.agent_logprob_forward(model, input_ids.size(1) - logits_to_keep, args, kwargs)
+        out = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
         inputs, self._ratio_for = self._ratio_for, None
         if inputs is not None:  # the first forward of `policy_loss`: the policy's own log-probabilities
             inputs["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), inputs)
         return out
+
+    def agent_logprob_forward(self, model, prompt_length: int, args: tuple, kwargs: dict[str, Any]):
+        """The model TRL's log-probability forward calls for this agent (`adapters/logprob_forward.py`): `model` with
+        the training-side kernels for the length of each of its calls, on this agent's model only: shared prompts
+        (`_shares_prompts`; `prompt_length`: the rows' prompt columns) and, on a CPU, the completions-only head with
+        the in-place backward. `args` and `kwargs`: the rest of TRL's call."""
+        shared = prompt_length if self._shares_prompts(model, args, kwargs) else None
+        return AgentLogProbForward(model, prompt_length=shared)
 
     def _shares_prompts(self, model, args: tuple, kwargs: dict[str, Any]) -> bool:
         """Whether the log-probability forward runs each distinct prompt of a chunk once (`adapters/shared_prompt.py`):
@@ -532,28 +538,12 @@ def _trl_temperatures(args):
         args.temperature, args.generation_kwargs = sampling, generation_kwargs
 
 
-_TRL_UTILS = importlib.import_module("trl.trainer.utils")
-
-
-def _head_scores_completions_only():
-    """Let TRL's fused log-probability head score only the completion positions on a CPU, as it does on GPUs.
-
-    The head (`trl.trainer.utils.add_fused_lm_head`) projects the positions whose label is set (the completion
-    tokens) on Triton devices, and every position, prompt included, elsewhere: devices that compile kernels (Neuron)
-    would recompile for every new number of positions. A CPU compiles nothing, and there scoring the prompt too made
-    the head, its backward and its fp32 gradient of the vocabulary matrix cost several times what the completions
-    need. The values are TRL's up to the rounding of a matrix product over fewer rows; positions without a label
-    get log-probability 0 and no gradient either way.
-    """
-    use_triton = _TRL_UTILS._use_triton
-    return attribute_replaced(_TRL_UTILS, "_use_triton", lambda device: device.type == "cpu" or use_triton(device))
-
-
 @contextmanager
-def _cpu_head():
-    """TRL's fused log-probability head as this package runs it on a CPU: completion positions only
-    (`_head_scores_completions_only`) and the in-place backward of `adapters/cpu_logprob.py` (TRL's values)."""
-    with _head_scores_completions_only(), attribute_replaced(_TRL_UTILS, "_ChunkedLogProbFunction", CpuChunkedLogProb):
+def _cpu_head(model=None):
+    """`adapters.cpu_logprob.cpu_fused_head(model)`: on a CPU, `model`'s TRL head scores completion positions only,
+    with the in-place backward, for the block. Without `model` (MADPO's `_rows_logps` still calls it so): TRL's head
+    as it is, which changes no values, only the CPU time."""
+    with cpu_fused_head(model):
         yield
 
 
