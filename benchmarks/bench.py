@@ -86,7 +86,7 @@ def model_paths(include_demo: bool) -> dict:
 
     paths = {"tiny": tiny_model_path("qwen2")}
     if include_demo:
-        from comlrl_trl.demo_model import demo_model_path
+        from comlrl_trl.models.demo import demo_model_path
 
         paths["smollm2"] = demo_model_path()
     return paths

@@ -24,7 +24,7 @@ def build_model(directory: str) -> str:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     config = LlamaConfig(

@@ -71,7 +71,7 @@ def trainer_gradients(tokens: int, updates: int) -> dict:
     from learning_task import TRAIN_PROMPTS, length_ratio_reward
     from learning_worker import load_team
 
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from comlrl_trl.utils.reward_processor import RewardProcessors
 
@@ -135,7 +135,7 @@ def main():
     from learning_task import TRAIN_PROMPTS
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     path = demo_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -243,8 +243,8 @@ def main():
         )
 
     sys.path.insert(0, str(ROOT))
-    from comlrl_trl.demo_model import demo_model_path
     from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+    from comlrl_trl.models.demo import demo_model_path
 
     base = {"model": demo_model_path(), "epochs": args.epochs, "lr": 5e-5, "k": 4, "tokens": 48, "eval_samples": 4}
     base["chat"] = args.chat

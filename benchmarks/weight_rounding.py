@@ -183,7 +183,7 @@ def main():
 
     from safetensors.torch import load_file
 
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     parser = argparse.ArgumentParser(description="bf16's spacing at the demo model's weights against an AdamW step")
     parser.add_argument("--lr", type=float, default=5e-5, help="the step (AdamW moves a weight by about lr or less)")

@@ -12,7 +12,7 @@ before and after training.
 
 import argparse
 
-from comlrl_trl.demo_model import default_model_path
+from comlrl_trl.models.demo import default_model_path
 from comlrl_trl.tasks import code_feedback as task
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 

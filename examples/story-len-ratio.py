@@ -14,7 +14,7 @@ from functools import partial
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl_trl.demo_model import default_model_path
+from comlrl_trl.models.demo import default_model_path
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl_trl.utils.reward_processor import RewardProcessors
 

@@ -15,9 +15,9 @@ import torch
 from trl import ModelConfig
 
 from comlrl_trl.hardware import matmul_gflops
+from comlrl_trl.integrations.plotting import plot_reward_curve
 from comlrl_trl.joint_reward import accepts_keyword
 from comlrl_trl.loading import check_model_source
-from comlrl_trl.plotting import plot_reward_curve
 from comlrl_trl.team_settings import write_team_settings
 
 
@@ -53,7 +53,7 @@ def default_model(model_args: ModelConfig) -> str:
     if model_args.model_name_or_path:
         check_model_source(model_args.model_name_or_path, "--model_name_or_path")
         return model_args.model_name_or_path
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     return demo_model_path()
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from comlrl_trl.integrations.plotting import reward_curve_series
 from comlrl_trl.integrations.progress import format_log_line
-from comlrl_trl.plotting import reward_curve_series
 
 
 def test_training_line_shows_the_headline_metrics_in_order():

@@ -146,7 +146,7 @@ def test_default_recipe_trains_the_embedded_model(tmp_path):
 @pytest.mark.slow
 @needs_demo_model
 def test_code_feedback_example_on_the_embedded_model(tmp_path):
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(

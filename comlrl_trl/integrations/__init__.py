@@ -1,1 +1,1 @@
-"""Integrations with experiment trackers."""
+"""Integrations with tools around training: progress lines, W&B, reward-curve plots (matplotlib)."""

