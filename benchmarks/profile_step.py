@@ -179,7 +179,7 @@ def main() -> None:
 
         model = tiny_model_path("qwen2")
     else:
-        from comlrl_trl.demo_model import demo_model_path
+        from comlrl_trl.models.demo import demo_model_path
 
         model = demo_model_path()
     overrides = dict(item.split("=", 1) for item in args.set)
