@@ -123,6 +123,9 @@ def test_of_two_runs_racing_for_the_lease_exactly_one_wins(tmp_path):
         outcomes = sorted(results.get(timeout=30) for _ in racers)
         for racer in racers:
             racer.join(timeout=30)
+            racer.close()
+        results.close()
+        results.join_thread()
         assert [verdict for verdict, _ in outcomes] == ["refused", "won"], outcomes
         assert "in use by another live training run" in outcomes[0][1]
 
