@@ -5,7 +5,7 @@ package's CPU backward, `adapters/cpu_logprob.py`) and in generation."""
 import pytest
 import torch
 
-from comlrl_trl.adapters import grpo
+from comlrl_trl.adapters import cpu_logprob
 from comlrl_trl.adapters.cpu_logprob import CpuChunkedLogProb
 
 
@@ -30,7 +30,7 @@ def head_dtypes(monkeypatch):
             seen["backward"].add(ctx.compute_dtype)
             return CpuChunkedLogProb.backward(ctx, *grads)
 
-    monkeypatch.setattr(grpo, "CpuChunkedLogProb", Recording)
+    monkeypatch.setattr(cpu_logprob, "CpuChunkedLogProb", Recording)
     return seen
 
 

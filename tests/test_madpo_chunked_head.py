@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from comlrl_trl.adapters.grpo import _cpu_head
+from comlrl_trl.adapters.cpu_logprob import cpu_fused_head
 from comlrl_trl.trainers.preference.madpo_trainer import MADPOAgent, sequence_logps
 
 
@@ -149,7 +149,7 @@ def test_madpo_loss_never_holds_the_rows_x_tokens_x_vocabulary_logits(small_tile
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
 
     def magrpo_loss():
-        with _cpu_head():
+        with cpu_fused_head(magrpo):
             logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
                 _agent(magrpo), magrpo, input_ids, attention_mask, WIDTH, compute_entropy=True
             )

@@ -32,7 +32,6 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from ..hardware import enable_cpu_fp16
-from .cpu_logprob import cpu_fused_head
 from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
 from .logprob_forward import AgentLogProbForward
 from .shared_prompt import shares_prompts
@@ -536,15 +535,6 @@ def _trl_temperatures(args):
         yield
     finally:
         args.temperature, args.generation_kwargs = sampling, generation_kwargs
-
-
-@contextmanager
-def _cpu_head(model=None):
-    """`adapters.cpu_logprob.cpu_fused_head(model)`: on a CPU, `model`'s TRL head scores completion positions only,
-    with the in-place backward, for the block. Without `model` (MADPO's `_rows_logps` still calls it so): TRL's head
-    as it is, which changes no values, only the CPU time."""
-    with cpu_fused_head(model):
-        yield
 
 
 @contextmanager

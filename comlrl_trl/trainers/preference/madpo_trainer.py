@@ -12,7 +12,8 @@ from typing import Any, Unpack
 import torch
 from transformers import PreTrainedModel
 
-from ...adapters.grpo import AgentGRPOTrainer, _cpu_head, completion_text
+from ...adapters.cpu_logprob import cpu_fused_head
+from ...adapters.grpo import AgentGRPOTrainer, completion_text
 from ...adapters.helpers import pad_sequences, token_log_probs
 from ...core.preferences import dpo_logratio, madpo_loss, others_logratio, select_preference_pairs
 from ...loading import is_peft_model
@@ -74,7 +75,7 @@ def _rows_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
     if fused_head:  # the completion tokens' labels only; the head scores them in tiles (see `sequence_logps`)
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, : prompt_ids.size(1)] = -100
-        with _cpu_head():  # on a CPU: completion positions only and the in-place backward, as MAGRPO runs it
+        with cpu_fused_head(model):  # on a CPU: completion positions only and the in-place backward, as MAGRPO runs it
             out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
         return (out.log_probs[:, -width:] * completion_mask).sum(dim=1)  # log_probs[t - 1] scores token t
     logits = model(

@@ -269,14 +269,14 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     keep_freed_cpu_memory: bool = field(
         default=False,
         metadata={
-            "help": "On a CPU, keep freed memory in the process for reuse (7-11% less CPU time): sets glibc's "
+            "help": "On a CPU, keep freed memory in the process for reuse (7-11%% less CPU time): sets glibc's "
             "mallopt for the whole process, never undone. Default False: malloc left as it is."
         },
     )
     cpu_fp16_generation_weights: bool = field(
         default=False,
         metadata={
-            "help": "fp32 generation on a CPU: sample with fp16-rounded weights (31% faster decoding), which changes "
+            "help": "fp32 generation on a CPU: sample with fp16-rounded weights (31%% faster decoding), which changes "
             "the sampling policy; no learning measurement shows it costs nothing. Default False: exact fp32."
         },
     )
