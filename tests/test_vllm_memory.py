@@ -7,6 +7,7 @@ from peft import LoraConfig, get_peft_model
 
 from comlrl_trl.generation import vllm_engines
 from comlrl_trl.generation.vllm_engines import check_colocate_memory, colocate_memory, team_colocate_memory
+from comlrl_trl.loading import copy_sharing_parameters
 from comlrl_trl.testing import build_tiny_model, build_tokenizer
 
 
@@ -96,6 +97,45 @@ def test_the_refusal_names_each_part_the_device_and_the_fixes():
         device_bytes=80 * GB,
     )
     check_colocate_memory(lora, agents=2, world_size=8, zero_stage=2)  # fits: no error
+
+
+def test_lora_agents_on_one_base_count_the_base_once():
+    # four 7.6B LoRA agents, 1% trainable (T = 0.076e9), ZeRO-2 on 8 GPUs: parameters (7.6e9 + 3 x 0.076e9) x 2 bytes
+    # = 15.656 GB (four bases would be 60.8 GB); gradients 4 x 0.076e9 x 2 / 8 = 0.076 GB; AdamW 4 x 0.076e9 x 12 / 8
+    # = 0.456 GB -> 16.188 GB + engine 24 GB = 40.188 GB, fits 80 GB (four bases: 61.332 + 24 = 85.332, no)
+    common = dict(
+        agents=4,
+        dtype_bytes=2,
+        world_size=8,
+        zero_stage=2,
+        trainable_fraction=0.01,
+        gpu_memory_utilization=0.3,
+        device_bytes=80 * GB,
+    )
+    shared = colocate_memory(7.6e9, shared_base=True, **common)
+    assert shared.parameters == pytest.approx(15.656 * GB)
+    assert shared.gradients == pytest.approx(0.076 * GB)
+    assert shared.optimizer == pytest.approx(0.456 * GB)
+    assert shared.total == pytest.approx(40.188 * GB)
+    assert shared.fits
+    separate = colocate_memory(7.6e9, **common)
+    assert separate.parameters == pytest.approx(60.8 * GB)
+    assert not separate.fits
+    with pytest.raises(ValueError, match="ZeRO-3 partitions each agent's own base"):
+        colocate_memory(7.6e9, **dict(common, zero_stage=3), shared_base=True)
+
+
+def test_the_team_estimate_counts_a_shared_base_once():
+    tokenizer = build_tokenizer("qwen2")
+    base = build_tiny_model("qwen2", tokenizer, seed=0)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    other = copy_sharing_parameters(base)  # before PEFT wraps either, as `loading.shared_lora_bases` does
+    models = [get_peft_model(base, config), get_peft_model(other, config)]
+    params = sum(p.numel() for p in models[0].parameters())
+    adapter = sum(p.numel() for p in models[0].parameters() if p.requires_grad)
+    itemsize = next(models[0].parameters()).dtype.itemsize
+    m = team_colocate_memory(models, world_size=1, zero_stage=0, gpu_memory_utilization=0.5, device_bytes=1e6)
+    assert m.parameters == pytest.approx((params + adapter) * itemsize)  # one base, two adapters
 
 
 def _team(lora: bool):

@@ -87,6 +87,7 @@ def colocate_memory(
     world_size: int,
     zero_stage: int,
     trainable_fraction: float = 1.0,
+    shared_base: bool = False,
     gpu_memory_utilization: float,
     device_bytes: float,
 ) -> ColocateMemory:
@@ -97,6 +98,8 @@ def colocate_memory(
     fine-tuning, the adapter's share of the parameters for LoRA) and W = `world_size`:
 
     - parameters: P x `dtype_bytes`, divided by W under ZeRO-3 (every agent holds its own copy, LoRA base included);
+      with `shared_base` (LoRA agents on one frozen base, `loading.shared_lora_bases`, never under ZeRO-3) the base
+      is held once for the team: P + (agents - 1) x T parameters in all instead of agents x P;
     - gradients: T x `dtype_bytes`, divided by W under ZeRO-2 and 3;
     - optimiser (AdamW): under DeepSpeed with 16-bit weights, an fp32 master copy and two fp32 moments, 12 x T bytes;
       otherwise two moments in the weights' dtype, 2 x `dtype_bytes` x T; divided by W under ZeRO-1, 2 and 3;
@@ -116,13 +119,18 @@ def colocate_memory(
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"`zero_stage` must be 0 (no DeepSpeed), 1, 2 or 3, got {zero_stage}.")
+    if shared_base and zero_stage == 3:
+        raise ValueError(
+            "`shared_base` with `zero_stage`=3: ZeRO-3 partitions each agent's own base; nothing is shared."
+        )
     trainable = trainable_fraction * params
-    parameters = params * dtype_bytes / (world_size if zero_stage >= 3 else 1)
+    team_params = params + (agents - 1) * trainable if shared_base else agents * params
+    parameters = team_params * dtype_bytes / (world_size if zero_stage >= 3 else 1)
     gradients = trainable * dtype_bytes / (world_size if zero_stage >= 2 else 1)
     per_trainable = 12 if zero_stage >= 1 and dtype_bytes < 4 else 2 * dtype_bytes
     optimizer = trainable * per_trainable / (world_size if zero_stage >= 1 else 1)
     return ColocateMemory(
-        parameters=agents * parameters,
+        parameters=parameters,
         gradients=agents * gradients,
         optimizer=agents * optimizer,
         engine=gpu_memory_utilization * device_bytes,
@@ -167,9 +175,12 @@ def team_colocate_memory(
     device_bytes: float,
 ) -> ColocateMemory:
     """`colocate_memory` of a team of models of one architecture: the parameters and dtype counted, the trainable
-    fraction of all of them (parameters with `requires_grad`)."""
+    fraction of all of them (parameters with `requires_grad`), and whether their frozen base is one set of `Parameter`
+    objects (`loading.shared_lora_bases`)."""
     params = sum(p.numel() for p in models[0].parameters())
     trainable = sum(p.numel() for model in models for p in model.parameters() if p.requires_grad)
+    held = {id(p) for model in models for p in model.parameters()}
+    shared = len(held) < sum(1 for model in models for _ in model.parameters())
     return colocate_memory(
         params,
         agents=len(models),
@@ -177,6 +188,7 @@ def team_colocate_memory(
         world_size=world_size,
         zero_stage=zero_stage,
         trainable_fraction=trainable / (params * len(models)),
+        shared_base=shared,
         gpu_memory_utilization=gpu_memory_utilization,
         device_bytes=device_bytes,
     )
