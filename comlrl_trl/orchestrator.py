@@ -88,10 +88,14 @@ class JointRolloutOrchestrator:
         formatters: list[Formatter],
         joint_reward: JointReward,
         args,
+        accelerator,
         external_transition=None,
         generator: TeamGenerator | None = None,
     ):
         self.agents = agents
+        # The team's Accelerator: the process's collectives (gather, reduce) and the device of the team's tensors.
+        # Every agent's Accelerator shares its process state; no agent hosts the team's.
+        self.accelerator = accelerator
         # How every agent's completions are sampled (`comlrl_trl.generation.team_generator`); by default the one
         # `args.generation_backend` picks.
         self.team_generation = team_generator(agents, args) if generator is None else generator
@@ -101,11 +105,6 @@ class JointRolloutOrchestrator:
         self.external_transition = external_transition
         self.pass_batch_item = external_transition is not None and accepts_keyword(external_transition, "batch_item")
         self.joint_indices = joint_action_indices(len(agents), args.num_generations, args.joint_mode)
-
-    @property
-    def accelerator(self):
-        """The process's collectives (gather, reduce): every agent's Accelerator shares one process state."""
-        return self.agents[0].accelerator
 
     # ----- training -----
 

@@ -75,6 +75,7 @@ def test_every_agent_is_a_trainer_of_one_class_and_the_team_is_none_of_them(
     assert all(agent is not trainer for agent in agents)
     assert list(trainer.model) == [agent.model for agent in agents]  # the team's model: every agent's, in order
     assert [agent.agent_index for agent in agents] == [0, 1]
+    assert trainer.orchestrator.accelerator is trainer.accelerator  # the rollout's collectives: the team's
     assert agents[0].args is not agents[1].args and agents[0].args is not trainer.args
     assert all(family in agent.model.model_tags for agent in agents)  # every agent's model carries its family's tag
 
@@ -168,3 +169,14 @@ def test_the_logged_team_loss_is_the_sum_of_the_agents_losses(qwen_path, make_co
         assert entry["loss"] == pytest.approx(entry["agent_0/loss"] + entry["agent_1/loss"])
     assert output.training_loss == pytest.approx(sum(entry["loss"] for entry in logs) / 2)
     assert torch.isfinite(torch.tensor(output.training_loss))
+
+
+def test_an_agent_is_told_its_place_in_the_team():
+    """No agent is agent 0 by default: `agent_index` is a required keyword of every agent trainer."""
+    import inspect
+
+    from comlrl_trl.adapters.grpo import AgentGRPOTrainer
+
+    parameter = inspect.signature(AgentGRPOTrainer.__init__).parameters["agent_index"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is inspect.Parameter.empty
+    assert "agent_index" not in vars(AgentGRPOTrainer)  # no class-level default either

@@ -117,14 +117,15 @@ class AgentGRPOTrainer(GRPOTrainer):
     prompt, where the question and the generation prompt sit, is kept), with a warning once per agent.
     """
 
-    agent_index: int = 0
+    agent_index: int  # the agent's place in the team (actor order); every construction names it
     last_learning_rate: float | None = None  # the learning rate of this agent's latest optimiser update
     _tag_names = ["trl", "grpo", "comlrl_trl"]  # TRL's Hub tags of the model; the team sets its family's
     _handed_in: tuple[Rollout, torch.Tensor] | None = None
     _warned_truncation = False
     _ratio_for: dict[str, Any] | None = None  # the micro-batch whose importance-sampling ratio the loss forward gives
 
-    def __init__(self, *, args, **kwargs):
+    def __init__(self, *, args, agent_index: int, **kwargs):
+        self.agent_index = agent_index
         with _trl_temperatures(args):
             super().__init__(args=args, **kwargs)
 

@@ -105,6 +105,7 @@ class ActorCriticTrainer(TeamTrainer):
             formatters,
             rewards,
             self.args,
+            self.accelerator,
             self.critic_set,
             external_transition,
             record_samples=self.metrics_callback is not None,

@@ -67,11 +67,12 @@ class ActorCriticOrchestrator(JointRolloutOrchestrator):
         formatters,
         joint_reward: "AgentRewards",
         args,
+        accelerator,
         critics: "CriticSet",
         external_transition=None,
         record_samples: bool = False,
     ):
-        super().__init__(agents, formatters, joint_reward, args, external_transition)
+        super().__init__(agents, formatters, joint_reward, args, accelerator, external_transition)
         self.critics = critics
         self.record_samples = record_samples
         self.samples: list[RolloutSample] = []

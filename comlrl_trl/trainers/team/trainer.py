@@ -145,11 +145,11 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
                     train_dataset=trl_dataset,
                     processing_class=tokenizers[i],
                     peft_config=peft_configs[i],
+                    agent_index=i,
                 )
                 for i in range(n)
             ]
-        for index, agent in enumerate(agents):
-            agent.agent_index = index
+        for agent in agents:
             agent.train_dataset = train_dataset
             agent.tag_model(self.model_tags)
         self.agent_trainers: list[AgentGRPOTrainer] = agents
@@ -194,7 +194,9 @@ class TeamTrainer(TeamCheckpoints, TeamEvaluation, TeamGRPOTrainer):
         return eval_logger_metrics(eval_logger, eval_aggregator) if eval_logger is not None else None
 
     def _build_orchestrator(self, formatters, joint: JointReward, external_transition) -> JointRolloutOrchestrator:
-        return JointRolloutOrchestrator(self.agent_trainers, formatters, joint, self.args, external_transition)
+        return JointRolloutOrchestrator(
+            self.agent_trainers, formatters, joint, self.args, self.accelerator, external_transition
+        )
 
     # ----- the team -----
 
