@@ -6,6 +6,13 @@ package's defaults for everything else, plus `overrides` (ours only: labelled ro
 is evaluated with `learning_task.evaluate_team` after every epoch (the untrained team once, by `initial`: it is the
 same for every system and seed); the CPU seconds of `train()` are counted without the evaluations. The peer worker runs in the peer's own virtual environment
 (comlrl 1.4.3) and imports nothing from this repository but `learning_task.py`.
+
+Budget mode (`learning.py --budget`): settings with `budget_cpu_s` and `marks` (ascending CPU seconds, the last one
+the budget) make ours train for as many epochs as the budget takes (at most `max_epochs`) and evaluate the team at
+the update boundary nearest each mark (`EvaluateAtMarks`), the held-out prompts at the last one, where training
+stops. `lora` (a dict: `r`, `alpha`, `targets`) trains LoRA adapters (ours only). `keep_rng` restores the torch RNG
+after every evaluation (the protocol seeds its own samples), so that evaluating more often does not change what a
+run samples in training.
 """
 
 import json
@@ -39,14 +46,20 @@ def prompts(s, tokenizer, texts):
     return as_chat_text(tokenizer, texts) if s.get("chat") else list(texts)
 
 
-def evaluation_point(s, clock, models, tokenizers, epoch, updates):
-    """Evaluate on the training prompts; after the last epoch on the held-out prompts too."""
+def evaluation_point(s, clock, models, tokenizers, epoch, updates, held_out=None):
+    """Evaluate on the training prompts; after the last epoch (or where `held_out` says) on the held-out prompts
+    too."""
+    import torch
+
     begin = cpu_seconds()
+    rng = torch.get_rng_state() if s.get("keep_rng") else None
     train = evaluate_team(models, tokenizers, prompts(s, tokenizers[0], TRAIN_PROMPTS), s["tokens"], s["eval_samples"])
     point = {"epoch": epoch, "updates": updates, **train}
-    if epoch == s["epochs"]:
-        held_out = prompts(s, tokenizers[0], HELD_OUT_PROMPTS)
-        point["held_out"] = evaluate_team(models, tokenizers, held_out, s["tokens"], s["eval_samples"])
+    if epoch == s["epochs"] if held_out is None else held_out:
+        texts = prompts(s, tokenizers[0], HELD_OUT_PROMPTS)
+        point["held_out"] = evaluate_team(models, tokenizers, texts, s["tokens"], s["eval_samples"])
+    if rng is not None:
+        torch.set_rng_state(rng)
     clock.evaluating += cpu_seconds() - begin
     point["train_cpu_s"] = clock.training()
     print(json.dumps({"point": point}), file=sys.stderr, flush=True)
@@ -71,6 +84,53 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+def evaluate_at_marks(s, clock_of, points, trainer_of, tokenizer):
+    """A callback for budget mode: at the end of an update, evaluate the team once for every mark in `s["marks"]`
+    (CPU seconds of training, evaluations excluded) that the update boundary nearest it has passed: a mark is taken at
+    this update's end when the training CPU time plus half an update (the mean so far) reaches it, so that the
+    evaluated time is the mark's to within half an update either way. At the last mark (the budget) the held-out
+    prompts are evaluated too and training stops. Marks that one update passes together share one evaluation.
+    `clock_of` and `trainer_of` return the run's `Clock` and trainer (made after the callback)."""
+    from transformers import TrainerCallback
+
+    marks = s["marks"]
+
+    def evaluate(state, due, reached):
+        last = len(points) + due == len(marks)
+        team = trainer_of().agents
+        point = evaluation_point(s, clock_of(), team, [tokenizer] * 2, state.epoch, state.global_step, held_out=last)
+        for _ in range(due):
+            points.append(dict(point, mark_cpu_s=marks[len(points)], budget_reached=reached))
+        return last
+
+    class EvaluateAtMarks(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            used = clock_of().training()
+            nearest = used + used / max(state.global_step, 1) / 2
+            due = sum(1 for mark in marks[len(points) :] if nearest >= mark)
+            if due and evaluate(state, due, True):
+                control.should_training_stop = True
+            return control
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if len(points) < len(marks):  # `max_epochs` ran out before the budget did
+                evaluate(state, len(marks) - len(points), False)
+
+    return EvaluateAtMarks()
+
+
+def lora_config(s):
+    """`s["lora"]` ({"r", "alpha", "targets"}) as a peft `LoraConfig`, or None."""
+    if not s.get("lora"):
+        return None
+    from peft import LoraConfig
+
+    lora = s["lora"]
+    return LoraConfig(
+        r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0, target_modules=lora["targets"], task_type="CAUSAL_LM"
+    )
+
+
 def run_ours(s):
     from contextlib import nullcontext
 
@@ -85,9 +145,12 @@ def run_ours(s):
     rounding = None
     if s.get("forward_weights", "as-trained") != "as-trained":
         rounding = WeightRounding(agents, mode=FORWARD_WEIGHTS[s["forward_weights"]].mode, seed=s["seed"])
+    budget = s.get("budget_cpu_s") is not None
+    if budget and rounding is not None:
+        raise ValueError("budget mode does not round forward weights")
     config = MAGRPOConfig(
         output_dir=s["output_dir"],
-        num_train_epochs=s["epochs"],
+        num_train_epochs=s.get("max_epochs", 50) if budget else s["epochs"],
         agent_learning_rate=s["lr"],
         logging_steps=10,
         num_generations=s["k"],
@@ -121,7 +184,10 @@ def run_ours(s):
         args=config,
         train_dataset=_dataset(prompts(s, tokenizer, TRAIN_PROMPTS)),
         tokenizer=tokenizer,
-        callbacks=[EvaluateEachEpoch()],
+        peft_config=lora_config(s),
+        callbacks=[
+            evaluate_at_marks(s, lambda: clock, points, lambda: trainer, tokenizer) if budget else EvaluateEachEpoch()
+        ],
     )
     clock = Clock()
     trainer.train()
