@@ -64,12 +64,83 @@ def test_private_hook_signatures(method, parameters):
     assert _parameters(method)[: len(parameters)] == parameters
 
 
-def test_scoring_calls_generate_and_the_reward_hook_once():
-    """`score()` hands the rollout and rewards in through `_generate` and `_calculate_rewards`: TRL's scorer must call
-    each exactly once, and compute advantages from what `_calculate_rewards` returned."""
-    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
-    assert source.count("self._generate(") == 1
-    assert source.count("self._calculate_rewards(") == 1
+def test_the_loss_hands_its_model_argument_to_the_logprob_forward():
+    """`policy_loss` passes the loss's micro-batch to the log-probability forward inside the `model` argument
+    (`_RatioFromForward`): TRL's loss must hand `model` on as it got it, and call the forward once."""
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert source.count("self._get_per_token_logps_and_entropies(") == 1
+    assert "self._get_per_token_logps_and_entropies(\n            model,\n" in source
+    tree = ast.parse(textwrap.dedent(source))
+    uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "model"]
+    assert len(uses) == 1  # `model` is read once: the forward's first argument
+
+
+def _trl_scored(agent, rows, rollout, rewards):
+    """TRL's own scored batch of `rollout` with `rewards`, its metrics, and its advantages (what `score` replaces)."""
+    agent._generate = lambda prompts: tuple(rollout)
+    agent._calculate_rewards = lambda *args: rewards.unsqueeze(1)
+    try:
+        batch = GRPOTrainer._generate_and_score_completions(agent, rows)
+    finally:
+        del agent._generate, agent._calculate_rewards
+    return batch
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"beta": 0.1},
+        {"num_iterations": 2},
+        {"mask_truncated_completions": True, "pad_to_multiple_of": 8},
+        {"scale_rewards": "batch"},
+        {"multi_objective_aggregation": "normalize_then_sum"},
+        {"vllm": "token_truncate"},
+        {"vllm": "sequence_mask", "vllm_importance_sampling_clip_max": 1.5},
+    ],
+)
+def test_score_equals_trls_scored_batch(qwen_path, make_config, settings):
+    """`score` builds TRL's scored batch from the values it is given: every tensor and metric bit for bit as TRL's
+    `_generate_and_score_completions` with the same rollout and rewards, less TRL's advantages (the team's enter in
+    `fill_micro_batches`)."""
+    settings = dict(settings)
+    vllm = settings.pop("vllm", None)
+    if vllm:
+        settings["vllm_importance_sampling_mode"] = vllm
+    agent = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=lambda c: [1.0] * len(c),
+        train_dataset=Dataset.from_list([{"prompt": "Say:"}] * 8),
+        args=make_config(num_agents=1, num_generations=4, per_device_train_batch_size=4, max_new_tokens=6, **settings),
+    ).agent_trainers[0]
+    agent.model.train()
+    prompts = ["Say:"] * 4 + ["Tell me a story:"] * 4
+    rows = [{"prompt": p} for p in prompts]
+    rollout = agent.generate(prompts)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 0.5, -1.0, 3.0])  # one group with zero spread
+    if vllm:
+        rollout = rollout._replace(
+            logprobs=[
+                [None if i == j == 0 else -1.0 + 0.1 * (i - j) for j in range(len(c))]
+                for i, c in enumerate(rollout.completion_ids)
+            ]
+        )
+        agent.use_vllm = True
+        agent.vllm_importance_sampling_correction = True
+        agent.args.steps_per_generation = 2  # off-policy: the ratio comes from a scoring forward, as TRL's
+        assert not agent.ratio_from_loss_forward
+    agent.metrics("train").clear()  # the generation's
+    ours = agent.score(rows, rollout, rewards)
+    our_metrics = {key: list(values) for key, values in agent.metrics("train").items()}
+    agent.metrics("train").clear()
+    theirs = _trl_scored(agent, rows, rollout, rewards)
+    their_metrics = {key: list(values) for key, values in agent.metrics("train").items()}
+    assert theirs.pop("advantages").shape == (8,)
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(torch.nan_to_num(ours[key], nan=7.0), torch.nan_to_num(value, nan=7.0)), key
+    assert our_metrics == their_metrics
 
 
 def test_shuffle_reads_the_row_count_from_the_first_value():
@@ -109,6 +180,9 @@ def test_a_real_agent_scores_a_handed_in_rollout(qwen_path, make_config):
     assert sorted(agent.micro_batch(0)["advantages"].tolist()) == [-1.0, 1.0]
     with pytest.raises(RuntimeError, match="generate"):
         agent._generate(["Say:"])  # outside score(), generation goes through generate()
+    with pytest.raises(RuntimeError, match="score"):
+        agent._generate_and_score_completions([{"prompt": "Say:"}])  # TRL's scoring is never run on an agent
+    assert not {"_handed_in", "_ratio_for"} & set(dir(agent))  # nothing is parked on the agent for TRL to read
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])

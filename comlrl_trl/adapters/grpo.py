@@ -10,13 +10,12 @@ forward/backward (`train_micro_batch`) and loss (`compute_agent_loss`), its opti
 state, metrics, and the reset between training stages. An agent never runs its own `train()`: the team's loop
 (`comlrl_trl.adapters.team`, `trainers/team/trainer.py`) drives every agent alike.
 
-Parked state. TRL's scoring and loss take no arguments for what the team computes, so two values are parked on the
-agent for the length of one TRL call, set and cleared in a `try`/`finally` here and nowhere else:
-
-- `_handed_in`: the rollout and the joint rewards, for the duration of `score` (TRL's `_generate` and
-  `_calculate_rewards` return them instead of generating or calling reward functions);
-- `_ratio_for`: the micro-batch whose vLLM importance-sampling ratio the loss's own forward provides, for the
-  duration of `policy_loss` (the first `_get_per_token_logps_and_entropies` call fills it in).
+Values passed, not parked. Nothing the team computes is parked on an agent for TRL to read back: `score` builds
+the scored batch from the rollout and rewards it is given (TRL's padding, masks and log-probability forward, TRL's
+reward metrics; no TRL advantages, computed and dropped), `fill_micro_batches` takes the team's advantages, and the
+loss's vLLM importance-sampling ratio travels with the `model` argument TRL's loss hands to the log-probability
+forward (`_RatioFromForward`). TRL's own scoring (`_generate_and_score_completions`, `_generate`,
+`_calculate_rewards`) is never called on an agent.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -28,11 +27,11 @@ from accelerate.utils import DistributedType
 from transformers import Trainer
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import nanstd, pad, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
 from ..hardware import enable_cpu_fp16
-from .helpers import attribute_replaced, gradient_checkpointing_disabled, zero_sharded
+from .helpers import gradient_checkpointing_disabled, zero_sharded
 from .logprob_forward import AgentLogProbForward
 from .shared_prompt import shares_prompts
 
@@ -120,9 +119,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     agent_index: int  # the agent's place in the team (actor order); every construction names it
     last_learning_rate: float | None = None  # the learning rate of this agent's latest optimiser update
     _tag_names = ["trl", "grpo", "comlrl_trl"]  # TRL's Hub tags of the model; the team sets its family's
-    _handed_in: tuple[Rollout, torch.Tensor] | None = None
     _warned_truncation = False
-    _ratio_for: dict[str, Any] | None = None  # the micro-batch whose importance-sampling ratio the loss forward gives
 
     def __init__(self, *, args, agent_index: int, **kwargs):
         self.agent_index = agent_index
@@ -187,30 +184,125 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.rollout_func = _engine_rollout
 
     def score(self, rows: list[dict[str, Any]], rollout: Rollout, rewards: torch.Tensor) -> dict[str, Any]:
-        """TRL's scored batch of `rollout` for the local `rows`, with the gathered `(B_global,)` rewards handed in.
+        """The scored batch of `rollout` for the local `rows`, with the gathered `(B_global,)` rewards handed in.
 
-        Reference log-probabilities, masks after EOS, TRL's reward metrics and the importance-sampling correction
-        are TRL's; old log-probabilities too, unless `defers_old_logps` leaves them to `fill_micro_batches`. TRL
-        also computes its own group advantages from the rewards; they are dropped here: advantages enter once, in
-        `fill_micro_batches`.
+        TRL's scored batch, built from the values passed in (no TRL call reads them back from the agent): the padded
+        prompt and completion ids and masks (TRL's padding, `mask_truncated_completions`), `num_items_in_batch`, the
+        old log-probabilities where a generation is trained off-policy (unless `defers_old_logps` leaves them to
+        `fill_micro_batches`), the vLLM sampling log-probabilities and importance-sampling ratio (unless the loss's
+        own forward gives it: `ratio_from_loss_forward`), the reference log-probabilities (`beta > 0`), and TRL's
+        reward metrics of `rewards`. No advantages: they are the team's, handed to `fill_micro_batches`.
         """
-        self._handed_in = (rollout, rewards.unsqueeze(1))
-        correction = self.vllm_importance_sampling_correction
-        # On-policy, the trainer's log-probabilities come from the loss's own forward (see `policy_loss`): TRL would
-        # otherwise run one more forward over the whole batch here, only for the correction.
-        self.vllm_importance_sampling_correction = correction and not self.ratio_from_loss_forward
-        # Old log-probabilities are left to `fill_micro_batches` (see `defers_old_logps`): TRL computes them only
-        # when its steps per generation do not divide its accumulation steps, so it is told they do for this call.
-        defer = self.defers_old_logps(rows)
-        spg = self.args.gradient_accumulation_steps if defer else self.args.steps_per_generation
-        try:
-            with attribute_replaced(self.args, "steps_per_generation", spg):
-                batch = GRPOTrainer._generate_and_score_completions(self, rows)
-        finally:
-            self._handed_in = None
-            self.vllm_importance_sampling_correction = correction
-        del batch["advantages"]
+        if rollout.images is not None or any("image" in row or "images" in row for row in rows):
+            raise ValueError(
+                f"Agent {self.agent_index}'s rows hold images: agents score text prompts only (prompts and "
+                "completions as token ids, no image inputs)."
+            )
+        device = self.accelerator.device
+        mode = "train" if self.model.training else "eval"
+        pad_id = self._tokenizer.pad_token_id
+        prompt_ids, prompt_mask = self._padded(rollout.prompt_ids, pad_id, "left", device)
+        completion_ids, completion_mask = self._padded(rollout.completion_ids, pad_id, "right", device)
+        tool_mask = None
+        if rollout.tool_mask is not None:
+            tool_mask = pad(
+                [torch.tensor(mask) for mask in rollout.tool_mask],
+                padding_value=1,
+                padding_side="right",
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            ).to(device=device)
+        sampling_logps = None
+        if rollout.logprobs is not None:
+            # vLLM gives None for a token it could not score: NaN here, left uncorrected by the ratio (as in TRL).
+            sampling_logps = pad(
+                [torch.tensor([float("nan") if x is None else x for x in logps]) for logps in rollout.logprobs],
+                padding_value=0.0,
+                padding_side="right",
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            ).to(device=device)
+        if self.mask_truncated_completions:
+            ends = [*self.eos_token_ids, pad_id]
+            kept = ~torch.tensor([ids[-1] not in ends for ids in rollout.completion_ids], device=device)
+            completion_mask = completion_mask * kept.unsqueeze(1).int()
+            if tool_mask is not None:
+                tool_mask = tool_mask * kept.unsqueeze(1).int()
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "num_items_in_batch": self.accelerator.gather(loss_mask.sum()).sum(),
+        }
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        chunk = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        every = self.args.steps_per_generation * self.num_iterations
+        # Old log-probabilities: where a generation spans optimiser updates (unless deferred to
+        # `fill_micro_batches`), and for the vLLM correction unless the loss's own forward gives it.
+        off_policy = self.args.gradient_accumulation_steps % every != 0 and not self.defers_old_logps(rows)
+        correct = self.use_vllm and self.vllm_importance_sampling_correction and not self.ratio_from_loss_forward
+        with torch.no_grad(), gradient_checkpointing_disabled(self.model, self.args.gradient_checkpointing_kwargs):
+            if off_policy or correct:
+                old = self.per_token_logps(self.model, ids, attention_mask, completion_ids.size(1), chunk)
+                batch["old_per_token_logps"] = old
+            if correct:
+                batch["importance_sampling_ratio"] = self._sampling_correction(
+                    old, {"sampling_per_token_logps": sampling_logps, "completion_mask": loss_mask}
+                )
+            if self.beta != 0.0:
+                batch["ref_per_token_logps"] = self._reference_logps(
+                    ids, attention_mask, completion_ids.size(1), chunk
+                )
+        if sampling_logps is not None:
+            batch["sampling_per_token_logps"] = sampling_logps
+        if tool_mask is not None:
+            batch["tool_mask"] = tool_mask
+        self._record_reward_metrics(rewards, mode)
         return batch
+
+    def _padded(self, rows: list[list[int]], pad_id: int, side: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-id rows as TRL pads them (`pad_to_multiple_of` too), and their mask."""
+        ids = [torch.tensor(row) for row in rows]
+        masks = [torch.ones_like(row, dtype=torch.long) for row in ids]
+        multiple = self.pad_to_multiple_of
+        return (
+            pad(ids, padding_value=pad_id, padding_side=side, pad_to_multiple_of=multiple).to(device=device),
+            pad(masks, padding_value=0, padding_side=side, pad_to_multiple_of=multiple).to(device=device),
+        )
+
+    def _reference_logps(self, ids, attention_mask, logits_to_keep: int, chunk: int) -> torch.Tensor:
+        """TRL's reference log-probabilities: the reference model's, or (a PEFT agent without one) the base model's,
+        with the adapter disabled (or the initial adapter `ref`, when an existing adapter is trained further)."""
+        if self.ref_model is not None:
+            return self.per_token_logps(self.ref_model, ids, attention_mask, logits_to_keep, chunk)
+        model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return self.per_token_logps(self.model, ids, attention_mask, logits_to_keep, chunk)
+
+    def _record_reward_metrics(self, rewards: torch.Tensor, mode: str) -> None:
+        """TRL's reward metrics of the handed-in rewards (the agent's one reward function, `joint_reward`): their
+        mean and standard deviation, and the share of rows whose normalising standard deviation is zero."""
+        weighted = rewards * self.reward_weights.to(rewards.device)[0]
+        k = self.num_generations if mode == "train" else self.num_generations_eval
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            grouped = rewards.view(-1, k, 1)
+            spread = nanstd(grouped, dim=1, keepdim=True) if k > 1 else torch.zeros_like(grouped[:, :1])
+            normalised = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (spread + 1e-4)).view(-1)
+            normalised = normalised * self.reward_weights.to(rewards.device)[0]
+            std = nanstd(normalised).expand_as(normalised) if normalised.numel() > 1 else torch.zeros_like(rewards)
+        elif self.scale_rewards == "batch":
+            std = nanstd(weighted).expand_as(weighted) if weighted.numel() > 1 else torch.zeros_like(weighted)
+        elif k > 1:
+            std = nanstd(weighted.view(-1, k), dim=1).repeat_interleave(k, dim=0)
+        else:
+            std = torch.zeros_like(weighted)
+        metrics = self._metrics[mode]
+        metrics[f"rewards/{self.reward_func_names[0]}/mean"].append(torch.nanmean(rewards).item())
+        metrics[f"rewards/{self.reward_func_names[0]}/std"].append(nanstd(rewards).item())
+        metrics["reward"].append(torch.nanmean(weighted).item())
+        metrics["reward_std"].append(nanstd(weighted).item())
+        metrics["frac_reward_zero_std"].append(torch.isclose(std, torch.zeros_like(std)).float().mean().item())
 
     @property
     def ratio_from_loss_forward(self) -> bool:
@@ -234,15 +326,14 @@ class AgentGRPOTrainer(GRPOTrainer):
             return generation_batch
         raise RuntimeError("Agent trainers train on the micro-batches the team fills (fill_micro_batches).")
 
+    def _generate_and_score_completions(self, inputs):
+        raise RuntimeError("Agent trainers generate through generate() and score through score().")
+
     def _generate(self, prompts: list):
-        if self._handed_in is None:
-            raise RuntimeError("Agent trainers generate through generate() and score through score().")
-        return self._handed_in[0]
+        raise RuntimeError("Agent trainers generate through generate() and score through score().")
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self._handed_in is None:
-            raise RuntimeError("Agent trainers score only joint rewards handed in by the orchestrator.")
-        return self._handed_in[1]
+        raise RuntimeError("Agent trainers score only joint rewards handed in by the orchestrator (score()).")
 
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
@@ -360,23 +451,27 @@ class AgentGRPOTrainer(GRPOTrainer):
         return self.policy_loss(model, inputs)
 
     def policy_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
-        """TRL's clipped policy loss (with its KL term and metrics) on one micro-batch."""
+        """TRL's clipped policy loss (with its KL term and metrics) on one micro-batch.
+
+        On-policy vLLM generation (`ratio_from_loss_forward`): the micro-batch's importance-sampling ratio comes from
+        this loss's own forward. TRL's loss hands its `model` argument to the log-probability forward, so the model
+        goes in as `_RatioFromForward(model, inputs)`, and the forward adds the ratio to this loss's copy of `inputs`
+        before TRL's loss reads it."""
         if self.ratio_from_loss_forward and "importance_sampling_ratio" not in inputs:
             inputs = dict(inputs)  # the ratio is added for this loss only
-            self._ratio_for = inputs
-        try:
-            return GRPOTrainer._compute_loss(self, model, inputs)
-        finally:
-            self._ratio_for = None
+            model = _RatioFromForward(model, inputs)
+        return GRPOTrainer._compute_loss(self, model, inputs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        ratio_for = None
+        if isinstance(model, _RatioFromForward):  # the forward of `policy_loss`: the policy's own log-probabilities
+            model, ratio_for = model
         model = self.agent_logprob_forward(model, input_ids.size(1) - logits_to_keep, args, kwargs)
         out = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        inputs, self._ratio_for = self._ratio_for, None
-        if inputs is not None:  # the first forward of `policy_loss`: the policy's own log-probabilities
-            inputs["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), inputs)
+        if ratio_for is not None:
+            ratio_for["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), ratio_for)
         return out
 
     def agent_logprob_forward(self, model, prompt_length: int, args: tuple, kwargs: dict[str, Any]):
@@ -491,6 +586,14 @@ class AgentGRPOTrainer(GRPOTrainer):
         (`hardware.enable_cpu_fp16`), which Accelerate creates on GPUs only. Each agent's Accelerator owns its scaler."""
         super().create_accelerator_and_postprocess()
         enable_cpu_fp16(self.accelerator)
+
+
+class _RatioFromForward(NamedTuple):
+    """The `model` argument `policy_loss` passes through TRL's loss to the log-probability forward: the model, and the
+    loss's micro-batch, which receives the vLLM importance-sampling ratio of that forward's log-probabilities."""
+
+    model: Any
+    inputs: dict[str, Any]
 
 
 class _TeamEngineSync:
