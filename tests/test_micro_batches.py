@@ -22,16 +22,16 @@ def test_every_agent_trains_on_each_micro_batch_of_a_generation(qwen_path, make_
     used = {0: [], 1: []}  # per agent and training step: the index of its micro-batch in its buffered generation
 
     def recording(agent):
-        original = agent.training_step
+        original = agent.forward_backward
 
-        def step(model, inputs, num_items_in_batch=None):
+        def step(inputs):
             used[agent.agent_index].append(next(i for i in range(2) if agent.micro_batch(i) is inputs))
-            return original(model, inputs, num_items_in_batch)
+            return original(inputs)
 
         return step
 
     for agent in trainer.agent_trainers:
-        agent.training_step = recording(agent)
+        agent.forward_backward = recording(agent)
     trainer.train()
     assert used == {0: [0, 1, 0, 1], 1: [0, 1, 0, 1]}  # 2 optimiser steps x 2 micro-batches, for every agent
 

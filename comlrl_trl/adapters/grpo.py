@@ -18,13 +18,16 @@ forward (`_RatioFromForward`). TRL's own scoring (`_generate_and_score_completio
 `_calculate_rewards`) is never called on an agent.
 """
 
+import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
+from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
+from transformers.training_args import OptimizerNames
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd, pad, shuffle_sequence_dict, split_tensor_dict, use_adapter
@@ -424,7 +427,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[slot]
 
     def train_micro_batch(self, slot: int, sync_gradients: bool) -> torch.Tensor:
-        """Forward and backward of micro-batch `slot` (TRL's `training_step`); returns the detached loss.
+        """Forward and backward of micro-batch `slot` (`forward_backward`); returns the detached loss.
 
         Gradients are averaged over processes only when `sync_gradients` (the last micro-step of an optimiser update),
         as transformers' loop does; DeepSpeed decides that itself from the accumulation boundary.
@@ -434,12 +437,45 @@ class AgentGRPOTrainer(GRPOTrainer):
         else:
             context = self.accelerator.no_sync(self.model_wrapped)
         with context:
-            loss = self.training_step(self.model_wrapped, self.micro_batch(slot), None)
+            loss = self.forward_backward(self.micro_batch(slot))
         if not torch.isfinite(loss).all():
             raise FloatingPointError(
                 f"Agent {self.agent_index} produced a non-finite loss ({loss.item()}) at step {self.state.global_step}."
             )
         return loss
+
+    def forward_backward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The agent's loss on one micro-batch (`compute_agent_loss`) and its backward pass; returns the detached loss.
+
+        What TRL's `training_step` runs for a GRPO trainer, called here directly with the micro-batch: transformers'
+        training step (model and optimiser in training mode, `torch_empty_cache_steps`, LOMO's learning rate, the
+        mean over `n_gpu` replicas, Accelerate's backward, under DeepSpeed without its own scaling for gradient
+        accumulation: TRL's loss is already divided by the accumulation steps) and TRL's step count and `step_time`.
+        """
+        started = time.perf_counter()
+        model = self.model_wrapped
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        loss = self.compute_agent_loss(model, inputs)
+        del inputs
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            clear_device_cache()
+        kwargs = {}
+        if self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):
+            kwargs["learning_rate"] = self._get_learning_rate()
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            kwargs["scale_wrt_gas"] = False
+        self.accelerator.backward(loss, **kwargs)
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - started
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return loss.detach()
 
     # ----- loss -----
 
