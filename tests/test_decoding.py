@@ -1,15 +1,17 @@
-"""Lean decoding steps (`comlrl_trl/fast/decoding.py`): the model's own numbers, through fewer Python calls."""
+"""Our own decoding loop (`comlrl_trl/fast/decoding.py`): `generate`'s tokens and numbers, nothing replaced."""
 
 import contextlib
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from comlrl_trl.fast import decoding
-from comlrl_trl.fast.decoding import lean_decoding, lean_decoding_applies
+from comlrl_trl.fast.decoding import LeanDecodingUnavailable, lean_decoding_applies, lean_generate, sampling_config
 from comlrl_trl.fast.packed_linear import packed_linear_weights
+from comlrl_trl.generation import cpu
+from comlrl_trl.loading import base_model
 from comlrl_trl.testing import tiny_model_path
 
 
@@ -21,7 +23,8 @@ def model_and_tokenizer(request):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
 
 
-def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, stopping_criteria=None, **settings):
+def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, **settings):
+    """The sequences, every step's logits and the random state after: `model.generate`'s, or `lean_generate`'s."""
     prompts = ["Write a story about item 3:", "Hi", "Tell me", "Write a story about item 12 and more:"]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)  # left padding of different lengths
     settings = {
@@ -31,8 +34,6 @@ def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, stopp
         "top_k": 20,
         "top_p": 0.9,
         "pad_token_id": tokenizer.pad_token_id,
-        "output_logits": True,
-        "return_dict_in_generate": True,
         **settings,
     }
     if not settings["do_sample"]:
@@ -43,29 +44,34 @@ def _generate(model, tokenizer, lean: bool, precision: str, seed: int = 0, stopp
         torch.no_grad(),
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
         packed_linear_weights(model, rows=len(prompts)) if bf16 else contextlib.nullcontext(),
-        lean_decoding(model) if lean else contextlib.nullcontext(),
     ):
         torch.manual_seed(seed)
-        out = model.generate(**encoded, generation_config=config, stopping_criteria=stopping_criteria)
+        if lean:
+            logits = []
+            model = base_model(model)
+            sequences = lean_generate(
+                model, encoded.input_ids, encoded.attention_mask, sampling_config(model, config), logits=logits
+            )
+            return sequences, torch.stack(logits), torch.get_rng_state()
+        config.update(output_logits=True, return_dict_in_generate=True)
+        out = model.generate(**encoded, generation_config=config)
     return out.sequences, torch.stack(out.logits), torch.get_rng_state()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_generations_and_logits_are_the_models_own_bit_for_bit(model_and_tokenizer, precision, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    steps, loops, prefills = [], [], []
-    step, loop, prefill = decoding._decoding_step, decoding._sampling_loop, decoding._lean_prefill
+    steps, prefills = [], []
+    step, prefill = decoding._decoding_step, decoding._lean_prefill
     monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(1) or step(*args))
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
     monkeypatch.setattr(decoding, "_lean_prefill", lambda *args: prefills.append(1) or prefill(*args))
     for seed in (0, 1):
         theirs = _generate(model, tokenizer, lean=False, precision=precision, seed=seed, min_new_tokens=12)
-        assert steps == [] and loops == [] and prefills == []
+        assert steps == [] and prefills == []  # nothing of ours runs inside transformers' generate
         ours = _generate(model, tokenizer, lean=True, precision=precision, seed=seed, min_new_tokens=12)
         assert len(steps) == 11  # every step after the prompt's
-        assert len(loops) == 1 and len(prefills) == 1  # through our sampling loop, the prompt's forward too
+        assert len(prefills) == 1  # the prompt's forward too
         steps.clear()
-        loops.clear()
         prefills.clear()
         for mine, reference in zip(ours, theirs):
             assert torch.equal(mine, reference)  # tokens, every step's logits, the random state after
@@ -82,97 +88,58 @@ def test_rows_that_end_early_are_padded_as_by_the_model(model_and_tokenizer):
         assert torch.equal(mine, reference)
 
 
-def test_the_models_forward_is_back_after_the_block_and_after_an_error(model_and_tokenizer):
-    model, _ = model_and_tokenizer
-    assert "forward" not in vars(model)
-    assert "_sample" not in vars(type(model))  # transformers' loop, inherited from GenerationMixin
-    with lean_decoding(model):
-        assert "forward" in vars(model)
-        assert "_sample" in vars(type(model))
-    assert "forward" not in vars(model)
-    assert "_sample" not in vars(type(model))
-    own = model.forward.__func__.__get__(model)  # a forward set on the instance (as TRL's fused head does)
-    model.forward = own
-    try:
-        with pytest.raises(RuntimeError, match="boom"), lean_decoding(model):
-            assert model.forward is not own
-            raise RuntimeError("boom")
-        assert model.forward is own
-        assert "_sample" not in vars(type(model))
-    finally:
-        del model.forward
-
-
-class _RecordsScores(StoppingCriteria):
-    """A user's stopping criterion: stops a row at token 7, and records the scores argument it is handed."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.seen.append(None if scores is None else len(scores))
-        return input_ids[:, -1] == 7
-
-
-@pytest.mark.parametrize("keep_scores", [False, True])
-def test_greedy_search_scores_and_a_users_criterion_are_as_in_transformers_loop(
-    model_and_tokenizer, keep_scores, monkeypatch
-):
+def test_nothing_of_the_model_or_its_class_is_replaced_while_it_decodes(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    loops = []
-    loop = decoding._sampling_loop
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
-    results = []
-    for lean in (False, True):
-        criterion = _RecordsScores()
-        sequences, logits, state = _generate(
-            model,
-            tokenizer,
-            lean=lean,
-            precision="fp32",
-            do_sample=False,
-            output_scores=keep_scores,
-            stopping_criteria=StoppingCriteriaList([criterion]),
-        )
-        results.append((sequences, logits, state, criterion.seen))
-    (ours, theirs) = results[1], results[0]
-    assert loops == [1]
-    for mine, reference in zip(ours[:3], theirs[:3]):
-        assert torch.equal(mine, reference)
-    assert ours[3] == theirs[3]  # the criterion saw the same argument at every step
-    assert theirs[3] == (list(range(1, len(theirs[3]) + 1)) if keep_scores else [None] * len(theirs[3]))
+    seen = []
+    step = decoding._decoding_step
+
+    def look(*args):
+        seen.append(("forward" in vars(model), "_sample" in vars(type(model)), model.forward.__func__))
+        return step(*args)
+
+    monkeypatch.setattr(decoding, "_decoding_step", look)
+    _generate(model, tokenizer, lean=True, precision="fp32")
+    assert seen and all(s == (False, False, type(model).forward) for s in seen)
 
 
-def test_generations_with_hidden_states_keep_transformers_loop(model_and_tokenizer, monkeypatch):
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"repetition_penalty": 1.3, "min_p": 0.05}, {"top_k": 0, "top_p": 1.0}],
+    ids=["top-k-top-p", "penalty-min-p", "no-filter"],
+)
+def test_other_settings_sample_as_transformers_does(model_and_tokenizer, greedy, settings):
     model, tokenizer = model_and_tokenizer
-    loops = []
-    loop = decoding._sampling_loop
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
-    theirs = _generate(model, tokenizer, lean=False, precision="fp32", output_hidden_states=True)
-    ours = _generate(model, tokenizer, lean=True, precision="fp32", output_hidden_states=True)
-    assert loops == []
-    for mine, reference in zip(ours, theirs):
-        assert torch.equal(mine, reference)
+    settings = {**settings, "do_sample": not greedy}
+    for seed in (0, 1):
+        theirs = _generate(model, tokenizer, lean=False, precision="fp32", seed=seed, **settings)
+        ours = _generate(model, tokenizer, lean=True, precision="fp32", seed=seed, **settings)
+        for mine, reference in zip(ours, theirs):
+            assert torch.equal(mine, reference)
 
 
-class _Stepped(Exception):
-    pass
-
-
-def test_other_calls_run_the_models_forward(model_and_tokenizer, monkeypatch):
+@pytest.mark.parametrize(
+    "settings,reason",
+    [
+        ({"num_beams": 2}, "beam_sample generation"),
+        ({"num_return_sequences": 2}, "several sequences per prompt"),
+        ({"prefill_chunk_size": 3}, "a chunked prompt"),
+        ({"stop_strings": ["x"]}, "stop strings or a time limit"),
+        ({"max_time": 1.0}, "stop strings or a time limit"),
+        ({"cache_implementation": "static"}, "a static cache"),
+        ({"return_dict_in_generate": True, "output_scores": True}, "returned scores"),
+        ({"output_hidden_states": True}, "the generation settings"),
+        ({"max_new_tokens": None, "max_length": 30}, "no max_new_tokens"),
+    ],
+)
+def test_settings_the_loop_does_not_run_are_refused_before_any_token(model_and_tokenizer, settings, reason):
     model, _ = model_and_tokenizer
-
-    def step(*args):
-        raise _Stepped
-
-    monkeypatch.setattr(decoding, "_decoding_step", step)
-    ids = torch.tensor([[5, 6, 7]])
-    with torch.no_grad(), lean_decoding(model):
-        prompt = model(input_ids=ids, use_cache=True)  # the prompt: several positions, no cache yet
-        assert prompt.logits.shape[1] == 3
-        with pytest.raises(_Stepped):  # a decoding step goes through it
-            model(input_ids=ids[:, :1], cache=prompt.cache, use_cache=True)
-        model(input_ids=ids[:, :1], cache=prompt.cache, use_cache=True, output_hidden_states=True)
+    config = GenerationConfig(**{"max_new_tokens": 4, "do_sample": True, **settings})
+    with pytest.raises(LeanDecodingUnavailable, match=reason):
+        sampling_config(model, config)
+    eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="eager")
+    with pytest.raises(LeanDecodingUnavailable, match="not one the lean decoding loop runs"):
+        sampling_config(eager, GenerationConfig(max_new_tokens=4))
 
 
 def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
@@ -191,8 +158,6 @@ def test_applies_only_where_its_forward_is_the_models(model_and_tokenizer):
     assert lean_decoding_applies(model)
     eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, attn_implementation="eager")
     assert not lean_decoding_applies(eager)
-    with lean_decoding(eager):
-        assert "forward" not in vars(eager)
 
 
 def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, monkeypatch):
@@ -211,9 +176,9 @@ def test_agents_decode_through_it_and_train_as_without_it(make_team, qwen_path, 
         return rows, [[p.detach().clone() for p in agent.model.parameters()] for agent in trainer.agent_trainers]
 
     steps, loops = [], []
-    step, loop = decoding._decoding_step, decoding._sampling_loop
+    step, loop = decoding._decoding_step, cpu.lean_generate
     monkeypatch.setattr(decoding, "_decoding_step", lambda *args: steps.append(args[0]) or step(*args))
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(args[0]) or loop(*args))
+    monkeypatch.setattr(cpu, "lean_generate", lambda *args, **kwargs: loops.append(args[0]) or loop(*args, **kwargs))
     ours = train(lean=True)
     assert len({id(model) for model in steps}) == 2  # both agents decoded through it
     assert {id(model) for model in loops} == {id(model) for model in steps}  # in our sampling loop
@@ -245,16 +210,3 @@ def test_lora_models_decode_through_their_transformers_model_bit_for_bit(model_a
             assert torch.equal(mine, reference)
     assert len(steps) == 22 and all(m is lora.get_base_model() for m in steps)
     assert "forward" not in vars(lora.get_base_model())
-
-
-def test_a_chunked_prompt_runs_transformers_prefill_and_then_our_loop(model_and_tokenizer, monkeypatch):
-    model, tokenizer = model_and_tokenizer
-    loops, prefills = [], []
-    loop, prefill = decoding._sampling_loop, decoding._lean_prefill
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(1) or loop(*args))
-    monkeypatch.setattr(decoding, "_lean_prefill", lambda *args: prefills.append(1) or prefill(*args))
-    theirs = _generate(model, tokenizer, lean=False, precision="fp32", prefill_chunk_size=3)
-    ours = _generate(model, tokenizer, lean=True, precision="fp32", prefill_chunk_size=3)
-    assert loops == [1] and prefills == []
-    for mine, reference in zip(ours, theirs):
-        assert torch.equal(mine, reference)

@@ -6,8 +6,8 @@ import torch
 from helpers import changed, snapshot
 from peft import LoraConfig
 
-from comlrl_trl.fast import decoding
 from comlrl_trl.fast.joint_decoding import SharedWeights, _PerAgent, _SharedBaseLora, team_view, until_eos
+from comlrl_trl.generation import cpu
 from comlrl_trl.loading import base_model
 
 
@@ -47,8 +47,9 @@ def _greedy(trainer, **settings) -> None:
 
 
 def _count_loops(monkeypatch) -> list:
-    loops, loop = [], decoding._sampling_loop
-    monkeypatch.setattr(decoding, "_sampling_loop", lambda *args: loops.append(args[1].shape[0]) or loop(*args))
+    """The rows of each lean decoding loop the CPU generator runs."""
+    loops, loop = [], cpu.lean_generate
+    monkeypatch.setattr(cpu, "lean_generate", lambda *args, **kw: loops.append(args[1].shape[0]) or loop(*args, **kw))
     return loops
 
 
@@ -64,7 +65,7 @@ def test_one_loop_gives_every_agent_the_tokens_of_its_own_call(make_team, make_l
     joint = team(prompts)
     assert loops == [8]  # one loop over both agents' 4 rows
     separate = [agent.generate(p) for agent, p in zip(trainer.agent_trainers, prompts)]
-    assert loops == [8]  # each agent's own call: transformers' generate, without the CPU generator's speed-ups
+    assert loops == [8]  # each agent's own TRL call: transformers' generate, with nothing of ours
     for ours, theirs in zip(joint, separate):
         assert ours.prompt_ids == theirs.prompt_ids
         assert ours.completion_ids == theirs.completion_ids
@@ -174,7 +175,7 @@ def test_sharded_agents_generate_in_their_own_calls(make_team, monkeypatch, engi
     trainer = make_team()
     monkeypatch.setattr(trainer.agent_trainers[1], engine, True)
     team = trainer.orchestrator.team_generation
-    assert team.unavailable() == "DeepSpeed and FSDP gather each agent's parameters for its own call"
+    assert team.unavailable() == "agent 1: DeepSpeed and FSDP gather its parameters for TRL's own call"
 
 
 def test_agents_that_differ_in_shape_or_weight_dtype_generate_in_their_own_calls(make_team, monkeypatch):

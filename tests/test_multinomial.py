@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comlrl_trl.fast import multinomial
-from comlrl_trl.fast.multinomial import sparse_multinomial, sparse_sampling
+from comlrl_trl.fast.multinomial import sparse_multinomial
 
 
 def _top_k_probs(rows: int, vocabulary: int, k: int, seed: int) -> torch.Tensor:
@@ -162,35 +162,36 @@ def test_the_check_against_torch_leaves_the_generator_where_it_was():
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_torch_multinomial_is_back_after_the_block_and_after_an_error():
-    original = torch.multinomial
-    with pytest.raises(ValueError), sparse_sampling():
-        assert torch.multinomial is sparse_multinomial
-        raise ValueError("generation failed")
-    assert torch.multinomial is original
+def test_generation_samples_the_same_tokens_as_transformers(qwen_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from comlrl_trl.fast.decoding import lean_generate, sampling_config
 
-def test_generation_samples_the_same_tokens_with_and_without_it(qwen_path):
-    from transformers import AutoModelForCausalLM
-
+    raced = []
+    race = multinomial.race
+    monkeypatch.setattr(multinomial, "race", lambda *a: raced.append(1) or race(*a))
+    monkeypatch.setattr(multinomial, "_MIN_ENTRIES", 0)  # the test model's vocabulary is small
     model = AutoModelForCausalLM.from_pretrained(qwen_path)
     prompt = torch.tensor([[5, 9, 14, 3, 7]] * 6)
-    settings = dict(do_sample=True, max_new_tokens=16, min_new_tokens=16, top_k=50, top_p=0.6, temperature=0.6)
+    settings = GenerationConfig(
+        do_sample=True, max_new_tokens=16, min_new_tokens=16, top_k=50, top_p=0.6, temperature=0.6
+    )
 
-    def generate(sparse: bool):
+    def generate(lean: bool):
         torch.manual_seed(7)
         with torch.no_grad():
-            if sparse:
-                with sparse_sampling():
-                    return model.generate(prompt, **settings), torch.get_rng_state()
-            return model.generate(prompt, **settings), torch.get_rng_state()
+            if lean:  # our own loop, which draws with `sparse_multinomial`
+                ones = torch.ones_like(prompt)
+                return lean_generate(model, prompt, ones, sampling_config(model, settings)), torch.get_rng_state()
+            return model.generate(prompt, generation_config=settings), torch.get_rng_state()
 
     (plain, plain_state), (ours, our_state) = generate(False), generate(True)
+    assert len(raced) == 16  # every step of our loop raced the kept tokens itself
     assert torch.equal(ours, plain) and torch.equal(our_state, plain_state)
 
 
 def test_agents_sample_through_it_on_a_cpu(make_team, monkeypatch):
-    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator whose loop draws with it
 
     trainer = make_team(use_cpu=True)
     raced = []
@@ -201,4 +202,4 @@ def test_agents_sample_through_it_on_a_cpu(make_team, monkeypatch):
         raced.clear()
         LeanCpuGeneration([agent])([["Write a story about item 1:"] * 4])[0]
         assert raced  # top-k 50 (the default) leaves few candidates: every decoding step races them
-    assert torch.multinomial is multinomial._TORCH_MULTINOMIAL
+    assert torch.multinomial is multinomial._TORCH_MULTINOMIAL  # torch's own, never replaced

@@ -45,27 +45,6 @@ ALLOWED = {
         "Accelerate refuses a second DeepSpeed plugin; `active_deepspeed_plugin` swaps the reward model's in and back",
         "tests/test_no_global_patches.py::test_active_deepspeed_plugin_restores_the_agents_plugin",
     ),
-    # Generation seam, H4: to be removed by the generation rewrite (then deleted here).
-    ("fast/multinomial.py", "torch.multinomial"): (
-        "generation seam, H4: sparse sampling for one `generate` call",
-        "tests/test_multinomial.py::test_torch_multinomial_is_back_after_the_block_and_after_an_error",
-    ),
-    ("fast/top_k_top_p.py", "transformers.generation.utils.GenerationMixin._get_logits_processor"): (
-        "generation seam, H4: the fused top-k/top-p warper for one `generate` call",
-        "tests/test_sampling.py::test_generate_builds_one_warper_for_the_pair_and_transformers_own_afterwards",
-    ),
-    ("fast/call_overheads.py", "transformers.generation.logits_process.LogitsProcessorList.__call__"): (
-        "generation seam, H4: logits processors inspected once per class for one `generate` call",
-        "tests/test_call_overheads.py::test_the_originals_are_back_after_an_error",
-    ),
-    ("fast/call_overheads.py", "accelerate.utils.other.is_deepspeed_available"): (
-        "generation seam, H4: Accelerate's DeepSpeed check without metadata reads for one `generate` call",
-        "tests/test_call_overheads.py::test_the_originals_are_back_after_an_error",
-    ),
-    ("fast/decoding.py", "type(...)._sample"): (
-        "generation seam, H4: the model class's decoding loop for one `generate` call",
-        "tests/test_decoding.py::test_the_models_forward_is_back_after_the_block_and_after_an_error",
-    ),
 }
 
 
@@ -285,6 +264,51 @@ def test_the_cpu_head_changes_nothing_without_trls_fused_forward():
     with cpu_fused_head(model), cpu_fused_head(None):
         assert "forward" not in vars(model)
     assert cpu_logprob._trl_fused_function(model) is None
+
+
+# ----- the lean CPU generator: its own loop, the libraries' own functions -----
+
+
+def test_the_libraries_are_their_own_while_the_lean_cpu_generator_decodes(make_team, monkeypatch):
+    """At every decoding step of the lean CPU generator (one agent's loop and the team's), torch's sampling,
+    transformers' generation functions and Accelerate's DeepSpeed check are the libraries' own, as any other thread
+    would read them."""
+    import accelerate.utils.other
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.utils import GenerationMixin
+
+    from comlrl_trl.fast import decoding
+
+    libraries = (
+        torch.multinomial,
+        LogitsProcessorList.__call__,
+        GenerationMixin._get_logits_processor,
+        GenerationMixin._sample,
+        accelerate.utils.other.is_deepspeed_available,
+    )
+    trainer = make_team()
+    models = [type(agent.model) for agent in trainer.agent_trainers]
+    seen = []
+    step = decoding._decoding_step
+
+    def look(*args):
+        current = (
+            torch.multinomial,
+            LogitsProcessorList.__call__,
+            GenerationMixin._get_logits_processor,
+            GenerationMixin._sample,
+            accelerate.utils.other.is_deepspeed_available,
+        )
+        seen.append(current == libraries and not any("_sample" in vars(model) for model in models))
+        return step(*args)
+
+    monkeypatch.setattr(decoding, "_decoding_step", look)
+    team = trainer.orchestrator.team_generation
+    prompts = [["Write a story about item 1:"] * 4] * 2
+    assert team.unavailable() is None
+    team(prompts)  # the team's loop
+    team._own_call(trainer.agent_trainers[0], prompts[0])  # one agent's loop
+    assert len(seen) > 2 and all(seen)
 
 
 # ----- the restored library state of ALLOWED -----

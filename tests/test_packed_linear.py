@@ -73,7 +73,7 @@ def test_packing_waits_for_no_grad_and_bf16_autocast_and_undoes_itself_after_an_
 @bf16_kernels
 def test_agents_generate_with_packed_weights_in_bf16(make_team, monkeypatch):
     from comlrl_trl.fast.packed_linear import PackedLinear
-    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that packs the weights
 
     trainer = make_team(bf16=True, use_cpu=True)
     calls = []
@@ -198,9 +198,9 @@ def test_fp16_packing_falls_back_to_fp32_where_fbgemm_cannot_pack(monkeypatch, c
 
 
 def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path):
-    from transformers import AutoConfig, Qwen2ForCausalLM
+    from transformers import AutoConfig, GenerationConfig, Qwen2ForCausalLM
 
-    from comlrl_trl.fast.decoding import lean_decoding
+    from comlrl_trl.fast.decoding import lean_generate, sampling_config
     from comlrl_trl.fast.packed_linear import packed_linear_weights
 
     config = AutoConfig.from_pretrained(qwen_path)
@@ -218,24 +218,28 @@ def test_fp16_generation_samples_as_a_model_with_fp16_rounded_weights(qwen_path)
             elif hasattr(mine, "weight") and not list(mine.children()):
                 theirs.weight.copy_(mine.weight)
     prompt = torch.tensor([[5, 9, 14, 3, 7]] * 4)
-    settings = dict(do_sample=True, max_new_tokens=12, min_new_tokens=12, top_k=0, output_logits=True)
+    settings = GenerationConfig(do_sample=True, max_new_tokens=12, min_new_tokens=12, top_k=0)
 
     def generate(m, fp16: bool):
         torch.manual_seed(7)
-        with torch.no_grad(), lean_decoding(m), packed_linear_weights(m, rows=4, fp16_weights=fp16):
-            return m.generate(prompt, return_dict_in_generate=True, **settings)
+        logits = []
+        with torch.no_grad(), packed_linear_weights(m, rows=4, fp16_weights=fp16):
+            config = sampling_config(m, settings)
+            sequences = lean_generate(m, prompt, torch.ones_like(prompt), config, logits=logits)
+        return sequences, logits
 
-    ours, reference, fp32 = generate(model, True), generate(rounded, False), generate(model, False)
-    assert torch.equal(ours.sequences, reference.sequences)
-    difference = max((a - b).abs().max().item() for a, b in zip(ours.logits, reference.logits))
+    (ours, our_logits), (reference, their_logits) = generate(model, True), generate(rounded, False)
+    fp32_logits = generate(model, False)[1]
+    assert torch.equal(ours, reference)
+    difference = max((a - b).abs().max().item() for a, b in zip(our_logits, their_logits))
     assert difference < 1e-5
-    rounding = max((a - b).abs().max().item() for a, b in zip(ours.logits, fp32.logits))
+    rounding = max((a - b).abs().max().item() for a, b in zip(our_logits, fp32_logits))
     assert rounding > 10 * difference  # the fp32 weights' logits are a rounding away
 
 
 def test_agents_generate_with_fp16_weights_in_fp32_for_long_calls_unless_turned_off(make_team, monkeypatch):
     from comlrl_trl.fast import packed_linear
-    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that holds the CPU speed-ups
+    from comlrl_trl.generation.cpu import LeanCpuGeneration  # the generator that packs the weights
 
     monkeypatch.setattr(packed_linear, "FP16_MIN_IN_FEATURES", 1)  # the tiny model's layers count as wide
     monkeypatch.setattr(packed_linear, "FP16_MIN_NEW_TOKENS", 8)  # and a call of 8 tokens as long

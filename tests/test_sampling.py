@@ -1,16 +1,15 @@
 """Top-k then top-p from one top-k (`comlrl_trl/fast/top_k_top_p.py`): transformers' kept tokens and values."""
 
-import contextlib
 import logging
 
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.utils import GenerationMixin
 
 from comlrl_trl.fast import top_k_top_p
-from comlrl_trl.fast.top_k_top_p import TopKTopPLogitsWarper, fused_top_k_top_p
+from comlrl_trl.fast.decoding import lean_generate, sampling_config
+from comlrl_trl.fast.top_k_top_p import TopKTopPLogitsWarper, fused_processors
 
 
 def _warpers(top_k, top_p, min_tokens_to_keep=1):
@@ -136,7 +135,7 @@ def test_a_torch_that_adds_otherwise_keeps_transformers_warpers(monkeypatch, cap
         top_k_top_p._agrees_with_torch.cache_clear()
 
 
-def test_generate_builds_one_warper_for_the_pair_and_transformers_own_afterwards():
+def test_the_pair_of_transformers_warpers_becomes_one_and_the_rest_stays_transformers():
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=64,
@@ -147,22 +146,28 @@ def test_generate_builds_one_warper_for_the_pair_and_transformers_own_afterwards
             num_key_value_heads=1,
         )
     )
-    original = GenerationMixin._get_logits_processor
 
     def built(**settings):
         config = GenerationConfig(do_sample=True, **settings)
-        return [type(p) for p in model._get_logits_processor(config, input_ids_seq_length=1, device="cpu")]
+        return model._get_logits_processor(config, input_ids_seq_length=1, device="cpu")
 
-    with fused_top_k_top_p():
-        assert built(temperature=0.6, top_k=50, top_p=0.6) == [TemperatureLogitsWarper, TopKTopPLogitsWarper]
-        assert built(top_k=50, top_p=1.0) == [TopKLogitsWarper]
-        assert built(top_k=0, top_p=0.6) == [TopPLogitsWarper]
-    assert GenerationMixin._get_logits_processor is original
-    assert built(top_k=50, top_p=0.6) == [TopKLogitsWarper, TopPLogitsWarper]
+    def fused(**settings):
+        return [type(p) for p in fused_processors(built(**settings))]
+
+    assert fused(temperature=0.6, top_k=50, top_p=0.6) == [TemperatureLogitsWarper, TopKTopPLogitsWarper]
+    assert fused(top_k=50, top_p=1.0) == [TopKLogitsWarper]
+    assert fused(top_k=0, top_p=0.6) == [TopPLogitsWarper]
+    theirs = built(top_k=50, top_p=0.6)
+    assert [type(p) for p in theirs] == [TopKLogitsWarper, TopPLogitsWarper]  # transformers' list is left as it was
+    (pair,) = fused_processors(theirs)
+    assert (pair.top_k, pair.top_p) == tuple(theirs)  # transformers' warpers, with their settings
 
 
 def test_whole_generations_are_transformers_own(monkeypatch):
     their_rows = _count_their_rows(monkeypatch)
+    filtered = []
+    call = TopKTopPLogitsWarper.__call__
+    monkeypatch.setattr(TopKTopPLogitsWarper, "__call__", lambda *args: filtered.append(1) or call(*args))
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=4096,
@@ -183,15 +188,17 @@ def test_whole_generations_are_transformers_own(monkeypatch):
         top_k=20,
         top_p=0.8,
         pad_token_id=0,
-        return_dict_in_generate=True,
     )
 
-    def generate(fused: bool):
+    def generate(lean: bool):
         torch.manual_seed(1)
-        with torch.no_grad(), fused_top_k_top_p() if fused else contextlib.nullcontext():
-            out = model.generate(prompts, generation_config=settings)
-        return out.sequences, torch.get_rng_state()
+        with torch.no_grad():
+            if lean:  # our own loop, which filters with `fused_processors`
+                ones = torch.ones_like(prompts)
+                return lean_generate(model, prompts, ones, sampling_config(model, settings)), torch.get_rng_state()
+            return model.generate(prompts, generation_config=settings), torch.get_rng_state()
 
     theirs, ours = generate(False), generate(True)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert len(filtered) == 16  # every step of our loop filtered with the fused warper
     assert sum(their_rows) < 6 * 16 // 2  # most rows of the 16 steps filtered on the short row

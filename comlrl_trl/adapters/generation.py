@@ -11,7 +11,6 @@ from contextlib import contextmanager
 
 import torch
 from trl import GRPOTrainer
-from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .grpo import Rollout
@@ -31,11 +30,14 @@ def pad_token_id(agent) -> int | None:
     return agent._tokenizer.pad_token_id
 
 
-def left_padded(rows: list[list[int]], padding_value: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows` left-padded into one batch, and its attention mask, as TRL pads prompts."""
+def left_padded(
+    rows: list[list[int]], padding_value: int, device, pad_to_multiple_of: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` left-padded into one batch, and its attention mask, as TRL pads prompts for `generate`."""
     tensors = [torch.tensor(row) for row in rows]
-    input_ids = pad(tensors, padding_value=padding_value, padding_side="left").to(device)
-    mask = pad([torch.ones_like(row) for row in tensors], padding_value=0, padding_side="left").to(device)
+    padded = {"padding_side": "left", "pad_to_multiple_of": pad_to_multiple_of}
+    input_ids = pad(tensors, padding_value=padding_value, **padded).to(device)
+    mask = pad([torch.ones_like(row) for row in tensors], padding_value=0, **padded).to(device)
     return input_ids, mask
 
 
@@ -59,14 +61,3 @@ def rollout_from_tokens(agent, prompts: list, prompt_ids: list[list[int]], compl
     output = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
     with _rollout_func(agent, output):
         return Rollout(*GRPOTrainer._generate(agent, prompts))
-
-
-def model_for_generation(agent):
-    """The block in which the agent's model generates, unwrapped as TRL unwraps it for `generate`."""
-    return unwrap_model_for_generation(
-        agent.model_wrapped,
-        agent.accelerator,
-        gather_deepspeed3_params=agent.args.ds3_gather_for_generation,
-        generation_kwargs=agent.generation_kwargs,
-        gradient_checkpointing_kwargs=agent.args.gradient_checkpointing_kwargs,
-    )

@@ -1,69 +1,56 @@
-"""The decoding steps of Llama and Qwen2 models with less Python around the same tensor operations, on a CPU.
+"""Our own decoding loop for Llama and Qwen2 models on a CPU: the model's modules and functions, called directly.
 
 A decoding step of transformers' `generate` runs one token per row through every layer. For a small model on a CPU
 the tensor work is small and much of a step is Python: per layer, a dozen module calls (each through
 `nn.Module.__call__` and its hook checks), the decorators and keyword plumbing of the layer and attention modules,
-and the output containers (SmolLM2-135M: 30 layers, 8 rows, about 46 ms per step of which the linear layers are 26).
+and the output containers (SmolLM2-135M: 30 layers, 8 rows, about 46 ms per step of which the linear layers are 26);
+around the steps, `generate`'s setup and its per-step input preparation, logits-processor list and stopping
+criteria.
 
-`lean_decoding(model)` replaces `model.forward` while `generate` runs. A decoding step (one new token per row, on a
-`DynamicCache` that holds the prompt) calls the model's own functions and modules' `forward` methods in the order
-its forward calls them: the embedding, `create_causal_mask`, the rotary embedding, per layer the norm, the
-projections, the model's `apply_rotary_pos_emb`, the cache's `update`, transformers' SDPA attention, the residual
-additions, the MLP, and the final norm and head. The values are the model's own, bit for bit, under autocast or
-without (`tests/test_decoding.py` compares whole generations and random states); what is left out is the Python
-between them. Every other call of `model.forward` (the prompt's forward outside the loop below, anything with other
-arguments) is the model's own forward.
+`lean_generate(model, input_ids, attention_mask, config)` samples the completions itself, without `generate`: the
+prompt's forward (`_lean_prefill`), then one `_decoding_step` per new token on a `DynamicCache`, each calling the
+model's own functions and modules' `forward` methods in the order its forward calls them: the embedding,
+`create_causal_mask`, the rotary embedding, per layer the norm, the projections, the model's
+`apply_rotary_pos_emb`, the cache's `update`, transformers' SDPA attention, the residual additions, the MLP, and the
+final norm and head. Between the steps it prepares each step's inputs as `generate` would (the last token, the next
+position, the attention mask grown by one column), runs transformers' logits processors for these settings with
+top-k and top-p as one filter (`top_k_top_p.fused_processors`), draws with `multinomial.sparse_multinomial` (or an
+argmax without sampling), pads finished rows and stops at the end-of-sequence tokens or `max_new_tokens`. The
+tokens, the logits of every step and torch's random state afterwards are `generate`'s own, bit for bit, under
+autocast or without (`tests/test_decoding.py`); nothing of torch, transformers or any other library is replaced
+while it runs.
 
-The sampling loop around the steps (`_sampling_loop`, in place of transformers' `_sample` for this model) prepares
-each step's inputs directly: the last token, the next position (and the attention mask grown by one column), the
-cache, without `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the model call in between;
-the logits processors, the draw, the end-of-sequence padding and the stopping criteria are transformers' own, in
-its order. The prompt's forward runs the same operations as a step, on the whole prompt (`_lean_prefill`). The loop
-runs where each of its steps would be a `_decoding_step`: sampling or greedy search of a decoder-only model from an
-empty `DynamicCache`, no streamer, no synchronised GPUs, no returned attentions or hidden states, no other model
-arguments; anywhere else, transformers' loop. On the tiny test model this saves about a tenth of a `generate` call.
+`sampling_config(model, generation_config)` is `generate`'s copy of the settings (the model's defaults filled in);
+it raises `LeanDecodingUnavailable` for settings the loop does not run: anything but sampling or greedy search of
+one sequence per prompt with `max_new_tokens`, a dynamic cache and an unchunked prompt (stop strings, time limits,
+beams, assistants, returned scores). The loop applies only to models whose layers are exactly transformers'
+`LlamaDecoderLayer` or `Qwen2DecoderLayer` (SmolLM2, Llama, Qwen2 and Qwen2.5), with SDPA attention and full
+attention in every layer, no forward hooks on the modules it calls through `forward` (user hooks; a hook would be
+skipped), and not to parameters DeepSpeed shards (`lean_decoding_applies`). A PEFT model (LoRA agents) is decoded
+through its transformers model, whose LoRA layers' own `forward` runs as it would.
 
-Applies only to models whose layers are exactly transformers' `LlamaDecoderLayer` or `Qwen2DecoderLayer` (SmolLM2,
-Llama, Qwen2 and Qwen2.5), with SDPA attention and full attention in every layer, no forward hooks on the modules it
-calls through `forward` (user hooks; a hook would be skipped), and not to parameters DeepSpeed shards. A PEFT model
-(LoRA agents) is decoded through its transformers model, whose LoRA layers' own `forward` runs as it would.
-
-`lean_decoding(model, team)` runs the same loop over a whole team's rows (`fast/joint_decoding.py`): the forwards
-go through the team's view, which sends each row through its own agent's weights, and a call the loop (with its
-lean prompt forward) would not run raises `JointDecodingUnavailable` before any token is drawn.
+`lean_generate(..., decoder=team)` runs the same loop over a whole team's rows (`fast/joint_decoding.py`): the
+forwards go through the team's view, which sends each row through its own agent's weights.
 """
 
-import functools
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..adapters.generate_setup import generate_config, generate_setup
 from ..adapters.helpers import full_sdpa_attention, zero_sharded
-from ..loading import base_model
+from . import multinomial
+from .top_k_top_p import fused_processors
 
 
 # The decoder layers whose forward `_decoding_step` mirrors (transformers 5: `modeling_llama`, `modeling_qwen2`).
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-# The model arguments `_sampling_loop` prepares; any other in a `generate` call makes the loop transformers' own.
-_LOOP_ARGUMENTS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
-# The arguments `generate` passes at a decoding step; any other makes the step the model's own forward.
-_STEP_ARGUMENTS = {
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "cache",
-    "use_cache",
-    "logits_to_keep",
-    "return_dict",
-}
 
 
 def lean_decoding_applies(model: nn.Module) -> bool:
@@ -92,207 +79,99 @@ def _global_hooks() -> bool:
     return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
-class JointDecodingUnavailable(RuntimeError):
-    """A team's `generate` call that `_sampling_loop` cannot run as one loop (raised before any token is drawn)."""
+class LeanDecodingUnavailable(RuntimeError):
+    """Settings or a model `lean_generate` does not run (raised before any token is drawn): use `generate`."""
 
 
-@contextmanager
-def lean_decoding(model: nn.Module, team: nn.Module | None = None) -> Iterator[None]:
-    """Inside the block, `model`'s decoding steps run through `_decoding_step` where `lean_decoding_applies`; its
-    `forward` is back afterwards, also after an error.
-
-    `team` (`joint_decoding.team_view` of a team whose first agent is `model`): `model.generate` then decodes every agent's
-    rows at once, each row through its own agent's weights, and raises `JointDecodingUnavailable` where our loop and
-    its lean prompt forward do not apply."""
-    model = base_model(model)  # PEFT: its generate runs the transformers model's forward
+def sampling_config(model: nn.Module, generation_config: GenerationConfig) -> GenerationConfig:
+    """The settings `model.generate(..., generation_config=generation_config)` would sample with (its copy, the
+    model's own defaults filled in), for one `lean_generate` call; `LeanDecodingUnavailable` where the loop does not
+    run them or `model` (see the module docstring)."""
     if not lean_decoding_applies(model):
-        if team is not None:
-            raise JointDecodingUnavailable("the first agent's model is not one lean decoding runs")
-        yield
-        return
-    own = "forward" in vars(model)  # TRL's fused head, for one, sets the forward on the instance
-    original = model.forward
-
-    @functools.wraps(original)  # generate validates its model arguments against this signature
-    def forward(*args, **kwargs):
-        if args or not _is_decoding_step(kwargs):
-            return original(*args, **kwargs)
-        return _decoding_step(
-            model, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs["cache"]
+        raise LeanDecodingUnavailable(
+            "the model is not one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
         )
-
-    model.forward = forward
-    owner = type(model)  # transformers looks its decoding loop up on the class
-    own_sample = "_sample" in vars(owner)
-    original_sample = owner._sample
-
-    @functools.wraps(original_sample)  # generate inspects its signature
-    def sample(
-        self,
-        input_ids,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        synced_gpus=False,
-        streamer=None,
-        **model_kwargs,
-    ):
-        applies = self is model and _loop_applies(self, generation_config, synced_gpus, streamer, model_kwargs)
-        if team is not None and self is model:
-            if not (applies and _lean_prefill_applies(generation_config, model_kwargs)):
-                raise JointDecodingUnavailable("transformers' own sampling loop would run")
-            return _sampling_loop(
-                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, team
-            )
-        if applies:
-            return _sampling_loop(
-                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
-            )
-        return original_sample(
-            self,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            synced_gpus,
-            streamer,
-            **model_kwargs,
-        )
-
-    owner._sample = sample
-    try:
-        yield
-    finally:
-        if own:
-            model.forward = original
-        else:
-            del model.forward
-        if own_sample:
-            owner._sample = original_sample
-        else:
-            del owner._sample
-
-
-def _is_decoding_step(kwargs: dict) -> bool:
-    input_ids, cache, mask = kwargs.get("input_ids"), kwargs.get("cache"), kwargs.get("attention_mask")
-    return (
-        kwargs.keys() <= _STEP_ARGUMENTS
-        and kwargs.get("use_cache", True)
-        and kwargs.get("return_dict", True)
-        and input_ids is not None
-        and input_ids.dim() == 2
-        and input_ids.shape[1] == 1
-        and type(cache) is DynamicCache
-        and cache.get_seq_length() > 0
-        and (mask is None or mask.dim() == 2)
-        and kwargs.get("logits_to_keep", 0) in (0, 1)  # both keep the one position there is
+    config, model_kwargs = generate_config(model, generation_config)
+    mode = config.get_generation_mode()
+    reason = (
+        f"{mode.value} generation"
+        if mode not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+        else f"the generation settings {sorted(model_kwargs)}"
+        if model_kwargs
+        else "several sequences per prompt"
+        if (config.num_return_sequences or 1) != 1
+        else "no max_new_tokens"
+        if config.max_new_tokens is None or config.max_new_tokens < 1
+        else "stop strings or a time limit"
+        if config.stop_strings is not None or config.max_time is not None
+        else "a chunked prompt"
+        if config.prefill_chunk_size is not None
+        else f"a {config.cache_implementation} cache"
+        if config.cache_implementation not in (None, "dynamic") or config.use_cache is False
+        else "classifier-free guidance"
+        if config.guidance_scale not in (None, 1)
+        else "returned scores, attentions or hidden states"
+        if config.return_dict_in_generate
+        else "token healing"
+        if config.token_healing
+        else None
     )
+    if reason is not None:
+        raise LeanDecodingUnavailable(f"the lean decoding loop does not run {reason}")
+    return config
 
 
-def _loop_applies(model: nn.Module, generation_config, synced_gpus: bool, streamer, model_kwargs: dict) -> bool:
-    """Whether every step of transformers' `_sample` loop on these arguments would be a `_decoding_step`."""
-    cache, mask = model_kwargs.get("cache"), model_kwargs.get("attention_mask")
-    returns_dict = generation_config.return_dict_in_generate
-    return (
-        not synced_gpus
-        and streamer is None
-        and not model.config.is_encoder_decoder
-        and not getattr(generation_config, "is_assistant", False)
-        and not (returns_dict and (generation_config.output_attentions or generation_config.output_hidden_states))
-        and model_kwargs.keys() <= _LOOP_ARGUMENTS
-        and model_kwargs.get("use_cache", False)
-        and type(cache) is DynamicCache
-        and cache.get_seq_length() == 0
-        and (mask is None or mask.dim() == 2)
-        and model_kwargs.get("logits_to_keep", 0) in (0, 1)
-        and not model._valid_auto_compile_criteria(model_kwargs, generation_config)
-    )
-
-
-def _lean_prefill_applies(generation_config, model_kwargs: dict) -> bool:
-    """Whether `_sampling_loop` runs the prompt's forward as `_lean_prefill` (one pass, the last position's logits)."""
-    return generation_config.prefill_chunk_size is None and model_kwargs.get("logits_to_keep") == 1
-
-
-def _sampling_loop(
-    model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict, decoder=None
-):
-    """transformers' `_sample` (sampling or greedy search) where `_loop_applies`: the prompt's forward (`_lean_prefill`,
-    or transformers' `_prefill` for chunked prompts or all positions' logits), then one `_decoding_step` per new
-    token, with the inputs transformers would prepare. `decoder` (default `model`) is what the forwards run: a
-    team's view decodes every agent's rows with its own weights."""
+def lean_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: GenerationConfig,
+    decoder=None,
+    logits: list | None = None,
+) -> torch.Tensor:
+    """`model.generate(input_ids=..., attention_mask=..., generation_config=...)`'s sequences (the prompts and their
+    new tokens), from our own loop (see the module docstring). `config`: `sampling_config`'s, for this call only.
+    `decoder` (default `model`) is what the forwards run: a team's view decodes every agent's rows with its own
+    weights. `logits`: each step's float32 logits are appended to it (`output_logits`)."""
     decoder = model if decoder is None else decoder
-    pad_token_id = padding_token(generation_config)
-    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    scores, raw_logits = [], []
-    unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
-    if _lean_prefill_applies(generation_config, model_kwargs):
-        # What `_prefill` hands the model's forward for a whole prompt and an empty cache.
-        outputs = _lean_prefill(
-            decoder,
-            input_ids.clone(),
-            model_kwargs.get("attention_mask"),
-            model_kwargs.get("position_ids"),
-            model_kwargs["cache"],
-        )
-    else:
-        outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
-    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
-    cache, mask = model_kwargs["cache"], model_kwargs.get("attention_mask")
-    position_ids = model_kwargs.get("position_ids")
-    position_ids = None if position_ids is None else position_ids[..., -1:]
-    with model._optimize_model_for_decode():
-        while True:
-            next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-            next_token_scores = logits_processor(input_ids, next_token_logits)
-            if keep_scores:
-                scores.append(next_token_scores)
-            if keep_logits:
-                raw_logits.append(next_token_logits)
-            if generation_config.do_sample:
-                probs = nn.functional.softmax(next_token_scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-            else:
-                next_tokens = torch.argmax(next_token_scores, dim=-1)
-            if has_eos_stopping_criteria:
-                next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
-            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            # transformers hands the criteria its tuple of kept scores (None when none are kept), not this step's.
-            kept = tuple(scores) if keep_scores else None
-            unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, kept)
-            if unfinished_sequences.max() == 0:
-                break
-            del outputs
-            outputs = _decoding_step(decoder, input_ids[:, -1:].clone(), mask, position_ids, cache)
-            # What `_update_model_kwargs_for_generation` and `prepare_inputs_for_generation` hand the next step.
-            if position_ids is not None:
-                position_ids = position_ids + 1
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    return GenerateDecoderOnlyOutput(
-        sequences=input_ids,
-        scores=tuple(scores) if keep_scores else None,
-        logits=tuple(raw_logits) if keep_logits else None,
-        attentions=None,
-        hidden_states=None,
-        cache=cache,
-    )
-
-
-def padding_token(generation_config) -> torch.Tensor | None:
-    """The token that pads finished rows, as `generate` picks it: the pad token, else the first end-of-sequence
-    token."""
-    pad = generation_config.pad_token_id
-    if pad is None:
-        eos = generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-    return None if pad is None else torch.tensor(pad)
+    rows, prompt_length = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    # What `generate` prepares: positions from the mask, no mask where it is all ones, lengths from the prompt's.
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    mask = None if bool((attention_mask == 1).all()) else attention_mask
+    processors, eos, pad = generate_setup(model, config, input_ids, mask)
+    processors = fused_processors(processors)
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    outputs = _lean_prefill(decoder, input_ids.clone(), mask, position_ids, cache)
+    position_ids = position_ids[..., -1:] + 1
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
+    for step in range(config.max_new_tokens):
+        scores = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+        if logits is not None:
+            logits.append(scores)
+        for processor in processors:
+            scores = processor(input_ids, scores)
+        if config.do_sample:
+            next_tokens = multinomial.sparse_multinomial(nn.functional.softmax(scores, dim=-1), 1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if eos is not None:  # finished rows get the pad token; a row finishes at an end-of-sequence token
+            next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        if eos is not None:
+            unfinished = unfinished & ~torch.isin(next_tokens, eos)
+        if step + 1 == config.max_new_tokens or unfinished.max() == 0:
+            break
+        outputs = _decoding_step(decoder, input_ids[:, -1:].clone(), mask, position_ids, cache)
+        position_ids = position_ids + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
+    return input_ids
 
 
 def _decoding_step(

@@ -15,7 +15,8 @@ It runs where torch would run its race: one sample, float32 probabilities on the
 at least 65536 entries (below, torch's race is as fast). Invalid probabilities, many nonzero entries (no top-k:
 every variate is needed) and every other call go to torch. On first use it checks itself against torch on a probe
 (restoring the generator afterwards); where a torch build draws otherwise, it leaves sampling to torch, with one
-warning.
+warning. The lean decoding loop (`decoding.lean_generate`) draws with it where `generate` calls
+`torch.multinomial`.
 """
 
 import functools
@@ -23,8 +24,6 @@ import logging
 import math
 
 import torch
-
-from ..adapters.helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)
@@ -135,8 +134,3 @@ def sparse_multinomial(probs, num_samples, replacement=False, *, generator=None,
     if candidates is not None and _agrees_with_torch():
         return race(probs, candidates)
     return _TORCH_MULTINOMIAL(probs, num_samples, replacement, generator=generator, out=out)
-
-
-def sparse_sampling():
-    """A block in which `torch.multinomial` (what transformers' sampling calls) is `sparse_multinomial`."""
-    return attribute_replaced(torch, "multinomial", sparse_multinomial)

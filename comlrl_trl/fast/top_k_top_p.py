@@ -1,4 +1,4 @@
-"""Top-k then top-p filtering for transformers' `generate`, computed on the tokens top-k keeps, on a CPU.
+"""Top-k then top-p filtering as transformers' warpers do it, computed on the tokens top-k keeps, on a CPU.
 
 transformers filters a decoding step's scores in two passes over the whole vocabulary: `TopKLogitsWarper` finds the
 k-th score (a top-k) and masks the rest, then `TopPLogitsWarper` sorts the whole row (all but k scores are `-inf`),
@@ -18,7 +18,8 @@ the same values:
 
 On SmolLM2's 49152 tokens, 8 rows: about 1 ms per decoding step against 9 ms for transformers' two warpers.
 transformers' own warpers run on small vocabularies (below `_MIN_VOCABULARY`, where its sort is as fast), with a
-large top-k (above `_MAX_TOP_K`), with other filter values, and for any other processor order.
+large top-k (above `_MAX_TOP_K`), with other filter values, and for any other processor order. The lean decoding
+loop (`decoding.lean_generate`) filters with `fused_processors` of transformers' processors for its settings.
 """
 
 import functools
@@ -26,9 +27,6 @@ import logging
 
 import torch
 from transformers.generation.logits_process import LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.utils import GenerationMixin
-
-from ..adapters.helpers import attribute_replaced
 
 
 logger = logging.getLogger(__name__)
@@ -119,24 +117,16 @@ def _agrees_with_torch() -> bool:
     return same
 
 
-def fused_logits_processor(original):
-    """`GenerationMixin._get_logits_processor` with each top-k warper directly followed by a top-p warper (exactly
-    transformers' classes) replaced by one `TopKTopPLogitsWarper`."""
-
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        processors = original(self, *args, **kwargs)
-        i = 0
-        while i + 1 < len(processors):
-            if type(processors[i]) is TopKLogitsWarper and type(processors[i + 1]) is TopPLogitsWarper:
-                processors[i : i + 2] = [TopKTopPLogitsWarper(processors[i], processors[i + 1])]
+def fused_processors(processors) -> list:
+    """`processors` (transformers' logits processors, in order) with each top-k warper directly followed by a top-p
+    warper (exactly transformers' classes) replaced by one `TopKTopPLogitsWarper`; a new list."""
+    fused, i = [], 0
+    while i < len(processors):
+        pair = processors[i : i + 2]
+        if len(pair) == 2 and type(pair[0]) is TopKLogitsWarper and type(pair[1]) is TopPLogitsWarper:
+            fused.append(TopKTopPLogitsWarper(*pair))
+            i += 2
+        else:
+            fused.append(processors[i])
             i += 1
-        return processors
-
-    return build
-
-
-def fused_top_k_top_p():
-    """While `generate` runs, transformers' top-k and top-p warpers run as one `TopKTopPLogitsWarper`."""
-    original = GenerationMixin._get_logits_processor
-    return attribute_replaced(GenerationMixin, "_get_logits_processor", fused_logits_processor(original))
+    return fused

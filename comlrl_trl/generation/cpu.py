@@ -1,128 +1,160 @@
-"""The lean CPU generator: the speed-ups of `comlrl_trl.fast` around each agent's sampling on a CPU.
+"""The lean CPU generator: every agent's completions sampled by our own decoding loop (`fast/decoding.py`).
 
-Where the lean decoding loop applies to every agent (`LeanCpuGeneration.unavailable`), with `joint_generation` the
-agents' rows are decoded in one loop, each row through its own agent's weights (`fast/joint_decoding.py`). TRL's side
-stays each agent's own: its tokenisation (with our truncation) and, from the sampled tokens on, its `_generate`
-(`adapters/generation.py`). Elsewhere each agent generates in its own TRL call, with the speed-ups that apply to it.
+Where the lean loop applies to an agent (`LeanCpuGeneration.agent_unavailable`), its completions are sampled by
+`lean_generate` over its model's modules, with the speed-ups of `comlrl_trl.fast` called as functions: the fused
+top-k/top-p filter, the sparse multinomial draw, and its linear layers packed for the call (`packed_linear`). Where it
+applies to every agent (`LeanCpuGeneration.unavailable`), with `joint_generation` the agents' rows are decoded in one
+loop, each row through its own agent's weights (`fast/joint_decoding.py`). TRL's side stays each agent's own: its
+tokenisation (with our truncation) and left padding, and, from the sampled tokens on, its `_generate`
+(`adapters/generation.py`). Elsewhere (vLLM, another device, DeepSpeed or FSDP, other models or settings) each agent
+generates through its own TRL call, transformers' `generate`, with nothing replaced. Nothing of torch,
+transformers, Accelerate or TRL is replaced in either case.
 """
 
 import logging
-from contextlib import ExitStack, contextmanager
-from functools import partial
+from contextlib import ExitStack
 
-from ..adapters.generation import (
-    left_padded,
-    model_for_generation,
-    pad_token_id,
-    prompt_token_ids,
-    rollout_from_tokens,
-)
+from ..adapters.generation import left_padded, pad_token_id, prompt_token_ids, rollout_from_tokens
 from ..adapters.grpo import Rollout
-from ..fast.call_overheads import fewer_fixed_costs
-from ..fast.decoding import JointDecodingUnavailable, lean_decoding, lean_decoding_applies
+from ..fast.decoding import LeanDecodingUnavailable, lean_decoding_applies, lean_generate, sampling_config
 from ..fast.joint_decoding import SharedWeights, team_view, until_eos, weight_dtypes
-from ..fast.multinomial import sparse_sampling
 from ..fast.packed_linear import packed_linear_weights
-from ..fast.top_k_top_p import fused_top_k_top_p
 from ..loading import architecture, base_model
 
 
 logger = logging.getLogger(__name__)
 
 
-@contextmanager
-def speedups(agent, rows: int, team=None):
-    """The CPU speed-ups around one `generate` call of `agent`'s model for `rows` rows (entered inside the agent's
-    `generation_contexts`); `team`: the team's view, for one loop over every agent's rows."""
-    with (
-        fewer_fixed_costs(),
-        packed_linear_weights(
-            agent.model,
-            rows=rows,
-            fp16_weights=agent.args.cpu_fp16_generation_weights,
-            new_tokens=agent.max_completion_length,
-        ),
-        fused_top_k_top_p(),
-        sparse_sampling(),
-        lean_decoding(agent.model, team),
-    ):
-        yield
+def _model_unavailable(agent) -> str | None:
+    """Why the lean loop cannot run `agent`'s model where TRL would generate with it, or None where it can."""
+    if agent.use_vllm or agent.accelerator.device.type != "cpu":
+        return "it does not generate with transformers on a CPU"
+    if agent.is_deepspeed_enabled or agent.is_fsdp_enabled:
+        return "DeepSpeed and FSDP gather its parameters for TRL's own call"
+    if agent.rollout_func is not None or agent.tools:
+        return "it has its own rollout function or tools"
+    if not lean_decoding_applies(base_model(agent.model)):
+        return "its model is not one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
+    return None
+
+
+def _lean_config(agent):
+    """`sampling_config` of `agent`'s settings for its model; `LeanDecodingUnavailable` where the lean loop does not
+    sample its completions."""
+    reason = _model_unavailable(agent)
+    if reason is not None:
+        raise LeanDecodingUnavailable(reason)
+    return sampling_config(base_model(agent.model), agent.generation_config)
+
+
+def packed_weights(agent, rows: int):
+    """The block in which `agent`'s linear layers run packed for one call of `rows` rows (entered inside the agent's
+    `generation_contexts`, `fast/packed_linear.py`)."""
+    return packed_linear_weights(
+        agent.model,
+        rows=rows,
+        fp16_weights=agent.args.cpu_fp16_generation_weights,
+        new_tokens=agent.max_completion_length,
+    )
 
 
 class LeanCpuGeneration:
-    """Every agent's completions on a CPU: one joint decoding loop where it applies, else one call per agent."""
+    """Every agent's completions on a CPU: one joint decoding loop where it applies, else one loop per agent, else
+    the agent's own TRL call."""
 
     def __init__(self, agents: list):
         self.agents = agents
         self.shared = SharedWeights()
-        self._told = False
+        self._told: set[str] = set()
 
     def __call__(self, prompts: list[list]) -> list[Rollout]:
         """`prompts[a]`: agent `a`'s prompts; its `Rollout`, in agent order."""
-        reason = self.unavailable()
-        if reason is None:
-            try:
-                return self._joint(prompts)
-            except JointDecodingUnavailable as error:
-                reason = str(error)
-        if not self._told:
-            self._told = True
-            logger.info("The agents generate one after the other: %s.", reason)
+        try:
+            return self._joint(prompts, self._team_config())
+        except LeanDecodingUnavailable as error:
+            self._tell(f"The agents generate one after the other: {error}.")
         return [self._own_call(agent, p) for agent, p in zip(self.agents, prompts, strict=True)]
 
+    def _tell(self, message: str) -> None:
+        if message not in self._told:
+            self._told.add(message)
+            logger.info(message)
+
     @staticmethod
-    def _own_call(agent, prompts: list) -> Rollout:
-        if agent.use_vllm or agent.accelerator.device.type != "cpu":
+    def agent_unavailable(agent) -> str | None:
+        """Why `agent`'s completions cannot come from the lean decoding loop, or None where they can."""
+        try:
+            _lean_config(agent)
+        except LeanDecodingUnavailable as error:
+            return str(error)
+        return None
+
+    def _own_call(self, agent, prompts: list) -> Rollout:
+        """One agent's completions: the lean loop where it applies, else TRL's own call (transformers' `generate`)."""
+        try:
+            config = _lean_config(agent)
+            ids = prompt_token_ids(agent, prompts)
+            if ids is None:
+                raise LeanDecodingUnavailable("the prompts hold images")
+        except LeanDecodingUnavailable as error:
+            self._tell(f"Agent {agent.agent_index} generates with TRL's own call: {error}.")
             return agent.generate(prompts)
-        return agent.generate(prompts, speedups=partial(speedups, agent))
+        input_ids, mask = left_padded(ids, pad_token_id(agent), agent.accelerator.device, agent.pad_to_multiple_of)
+        with agent.generation_contexts(), packed_weights(agent, len(ids)):
+            sequences = lean_generate(base_model(agent.model), input_ids, mask, config)
+        tokens = sequences[:, input_ids.shape[1] :].cpu()
+        return rollout_from_tokens(agent, prompts, ids, until_eos(tokens, agent.eos_token_ids))
 
     def unavailable(self) -> str | None:
         """Why the team cannot decode in one loop, or None where it can."""
+        try:
+            self._team_config()
+        except LeanDecodingUnavailable as error:
+            return str(error)
+        return None
+
+    def _team_config(self):
+        """The first agent's `sampling_config`, for one loop over every agent's rows; `LeanDecodingUnavailable` where
+        the team cannot decode in one loop."""
         agents = self.agents
         first = agents[0]
         if len(agents) < 2:
-            return "one agent"
+            raise LeanDecodingUnavailable("one agent")
         if not first.args.joint_generation:
-            return "joint_generation=False"
-        if any(agent.use_vllm or agent.accelerator.device.type != "cpu" for agent in agents):
-            return "not every agent generates with transformers on a CPU"
-        if any(agent.is_deepspeed_enabled or agent.is_fsdp_enabled for agent in agents):
-            return "DeepSpeed and FSDP gather each agent's parameters for its own call"
-        if any(agent.rollout_func is not None or agent.tools for agent in agents):
-            return "an agent has its own rollout function or tools"
+            raise LeanDecodingUnavailable("joint_generation=False")
+        for agent in agents:
+            reason = _model_unavailable(agent)
+            if reason is not None:
+                raise LeanDecodingUnavailable(f"agent {agent.agent_index}: {reason}")
         models = [base_model(agent.model) for agent in agents]
-        if not all(lean_decoding_applies(model) for model in models):
-            return "not every agent's model is one the lean decoding loop runs (Llama or Qwen2, SDPA, no hooks)"
         first_architecture, first_dtypes = architecture(models[0]), weight_dtypes(models[0])
         if any(architecture(model) != first_architecture for model in models[1:]):
-            return "the agents' models have different architectures"
+            raise LeanDecodingUnavailable("the agents' models have different architectures")
         if any(weight_dtypes(model) != first_dtypes for model in models[1:]):
-            return "the agents' weights have different dtypes"
+            raise LeanDecodingUnavailable("the agents' weights have different dtypes")
         settings = [(a.generation_config.to_dict(), a.generation_kwargs, a.eos_token_ids) for a in agents]
         if any(setting != settings[0] for setting in settings):
-            return "the agents sample with different settings"
-        return None
+            raise LeanDecodingUnavailable("the agents sample with different settings")
+        return sampling_config(models[0], first.generation_config)  # the same settings: the first agent's
 
-    def _joint(self, prompts: list[list]) -> list[Rollout]:
+    def _joint(self, prompts: list[list], config) -> list[Rollout]:
         agents, first = self.agents, self.agents[0]
         prompt_ids = []
         for agent, agent_prompts in zip(agents, prompts, strict=True):
             ids = prompt_token_ids(agent, agent_prompts)
             if ids is None:
-                raise JointDecodingUnavailable("the prompts hold images")
+                raise LeanDecodingUnavailable("the prompts hold images")
             prompt_ids.append(ids)
         sizes = [len(ids) for ids in prompt_ids]
-        view = team_view([base_model(agent.model) for agent in agents], sizes, self.shared)
+        models = [base_model(agent.model) for agent in agents]
+        view = team_view(models, sizes, self.shared)  # before the contexts (see `team_view`)
         rows = [ids for agent_ids in prompt_ids for ids in agent_ids]
-        input_ids, mask = left_padded(rows, pad_token_id(first), first.accelerator.device)
+        input_ids, mask = left_padded(rows, pad_token_id(first), first.accelerator.device, first.pad_to_multiple_of)
         with ExitStack() as stack:
             for a, agent in enumerate(agents):
                 stack.enter_context(agent.generation_contexts())
-                stack.enter_context(speedups(agent, sizes[a], team=view if a == 0 else None))
-            model = stack.enter_context(model_for_generation(first))
-            sequences = model.generate(
-                input_ids=input_ids, attention_mask=mask, generation_config=first.generation_config
-            )
+                stack.enter_context(packed_weights(agent, sizes[a]))
+            sequences = lean_generate(models[0], input_ids, mask, config, decoder=view)
         new_tokens = sequences[:, input_ids.shape[1] :].cpu().split(sizes)
         return [
             rollout_from_tokens(agent, agent_prompts, ids, until_eos(tokens, agent.eos_token_ids))

@@ -6,8 +6,9 @@ orchestrator is handed one (`team_generator` picks it from the configuration) an
 - `PerAgentGeneration`: each agent's own TRL generation, one call per agent: transformers' `generate`, or TRL's
   `rollout_func` where the agent generates through the team's vLLM engines (colocated or a server,
   `AgentGRPOTrainer.use_generation_engines`). Only the training precision and `no_grad` around it.
-- `LeanCpuGeneration` (`comlrl_trl.generation.cpu`): the CPU speed-ups of `comlrl_trl.fast`, every agent's rows in
-  one decoding loop where they apply (`joint_generation`), each agent through TRL's own call elsewhere.
+- `LeanCpuGeneration` (`comlrl_trl.generation.cpu`): our own decoding loop with the CPU speed-ups of
+  `comlrl_trl.fast`, every agent's rows in one loop where it applies (`joint_generation`), each agent's own loop
+  or, where the loop does not apply, its own TRL call with nothing replaced.
 """
 
 from typing import Protocol
