@@ -40,6 +40,7 @@ from ...checkpoint import (
     latest_checkpoint,
     new_staging_token,
     objects_state,
+    on_every_process,
     on_main_process,
     refuse_foreign_checkpoints,
     refuse_overwriting_results,
@@ -90,10 +91,29 @@ class Checkpoints:
         self._claim_output_dir()
         self._staging_token = new_staging_token()
         lock, root = RunLock(), self._checkpoint_root()
+        if root is not None and getattr(self.args, "save_on_each_node", False):
+            self._refuse_save_on_each_node_across_nodes()
         if root is not None and self.args.should_save:
             check_writable(root, "checkpoint_dir" if self._checkpoint_dir is not None else "output_dir")
             lock.acquire(root)
         return lock
+
+    def _refuse_save_on_each_node_across_nodes(self) -> None:
+        """`save_on_each_node=True` on several nodes cannot give each node a complete copy: transformers'
+        `save_pretrained` writes the weights on global rank 0 only (whatever `is_main_process` says), so the other
+        nodes' checkpoints would lack every agent's weights. Refused on every process (the local main processes are
+        counted with one gather), before anything is written."""
+        local_mains = on_every_process(
+            lambda: self.accelerator.is_local_main_process, self.accelerator, "counting the nodes"
+        )
+        if sum(local_mains) > 1:
+            raise ValueError(
+                f"save_on_each_node=True on {sum(local_mains)} nodes is not supported: transformers writes the model "
+                "weights (save_pretrained) on the global main process only, so the checkpoints of the other nodes "
+                "would lack every agent's weights and could not be resumed. Put checkpoint_dir (or output_dir) on a "
+                "filesystem that every node sees and leave save_on_each_node off: the checkpoint is then written "
+                "once, and every process verifies its share of it."
+            )
 
     def _claim_output_dir(self) -> None:
         """One live run per `output_dir`, whatever the save strategy: the main process locks it at the first `train()`
@@ -130,7 +150,9 @@ class Checkpoints:
             check_compatible(metadata["compat"], self.compatibility(), self._resume_path)
             self._run_id, self.checkpoint_sequence = metadata["run_id"], metadata["sequence"]
         else:
-            self._run_id, self.checkpoint_sequence = uuid.uuid4().hex, 0
+            # one run id on every process (with save_on_each_node each node's saving process writes it)
+            self._run_id = on_main_process(lambda: uuid.uuid4().hex, self.accelerator)
+            self.checkpoint_sequence = 0
             if not getattr(self.args, "overwrite_output_dir", False):
                 refuse_overwriting_results(self.args.output_dir, getattr(self, "_earlier_results", []))
         refuse_foreign_checkpoints(root, self._run_id)
