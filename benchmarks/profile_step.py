@@ -84,7 +84,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(JointRolloutOrchestrator, "_score_and_expand", "scoring")
     clock.wrap(LeanCpuGeneration, "__call__", "generation")  # the team's joint loop, or each agent's call
     clock.wrap(AgentGRPOTrainer, "generate", "generation")
-    clock.wrap(AgentGRPOTrainer, "training_step", "forward/backward")
+    clock.wrap(AgentGRPOTrainer, "forward_backward", "forward/backward")
     clock.wrap(AcceleratedOptimizer, "step", "optimiser")
     clock.wrap(Trainer, "_clip_grad_norm", "optimiser")
 

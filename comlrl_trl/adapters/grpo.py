@@ -137,13 +137,10 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     # ----- generation and scoring -----
 
-    def generate(self, prompts: list, speedups=None) -> Rollout:
+    def generate(self, prompts: list) -> Rollout:
         """One completion per prompt (repeat a prompt K times for K samples), with TRL's tokenisation and decoding
-        (transformers' `generate`, or TRL's `rollout_func`: the team's vLLM engines), under `generation_contexts`.
-
-        `speedups(rows)`: a block entered inside those, around TRL's call (a team generator's, see
-        `comlrl_trl.generation`); None: none."""
-        with self.generation_contexts(), speedups(len(prompts)) if speedups is not None else nullcontext():
+        (transformers' `generate`, or TRL's `rollout_func`: the team's vLLM engines), under `generation_contexts`."""
+        with self.generation_contexts():
             return Rollout(*super()._generate(prompts))
 
     @contextmanager
