@@ -45,17 +45,23 @@ def ensure_peer_venv() -> None:
     subprocess.run(pip + [TORCH, "comlrl==1.4.3"], check=True)
 
 
-def measure(system: str, settings: dict, repeats: int) -> dict:
-    """Median of `repeats` fresh-process runs of one system."""
-    python = str(PEER_PYTHON) if system == "peer" else sys.executable
-    env = {
+def worker_env(system: str, threads: int = 1) -> dict:
+    """The environment of a benchmark worker process: offline, `threads` torch threads, and this checkout's package on
+    the path for ours and TRL (none for the peer, whose venv holds comlrl)."""
+    return {
         **os.environ,
-        "OMP_NUM_THREADS": str(settings["threads"]),
+        "OMP_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": "" if system == "peer" else str(ROOT),
     }
-    env["PYTHONPATH"] = "" if system == "peer" else str(ROOT)
+
+
+def measure(system: str, settings: dict, repeats: int) -> dict:
+    """Median of `repeats` fresh-process runs of one system."""
+    python = str(PEER_PYTHON) if system == "peer" else sys.executable
+    env = worker_env(system, threads=settings["threads"])
     runs = []
     for _ in range(repeats):
         result = subprocess.run(

@@ -53,7 +53,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import PEER_PYTHON, ensure_peer_venv
+from bench import PEER_PYTHON, ensure_peer_venv, worker_env
 from weight_rounding import FORWARD_WEIGHTS
 
 
@@ -141,14 +141,7 @@ def cached_run(runs_dir: Path, name: str, system: str, settings: dict, config: d
 
 def run_worker(system: str, settings: dict) -> dict:
     python = str(PEER_PYTHON) if system == "peer" else sys.executable
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": "" if system == "peer" else str(ROOT),
-    }
+    env = worker_env(system)
     out = subprocess.run(
         [python, str(HERE / "learning_worker.py"), system, json.dumps(settings)],
         env=env,

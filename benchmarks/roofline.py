@@ -484,17 +484,10 @@ def worker(system: str, s: dict) -> dict:
 
 
 def run_worker(system: str, settings: dict) -> dict:
-    from bench import PEER_PYTHON
+    from bench import PEER_PYTHON, worker_env
 
     python = str(PEER_PYTHON) if system == "peer" else sys.executable
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": "" if system == "peer" else str(ROOT),
-    }
+    env = worker_env(system)
     out = subprocess.run(
         [python, str(Path(__file__).resolve()), "--worker", system, json.dumps(settings)],
         env=env,
