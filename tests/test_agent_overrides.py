@@ -8,6 +8,8 @@ from datasets import Dataset
 from helpers import changed, length_ratio_reward, snapshot
 from test_recipes import _recipe
 
+from comlrl_trl.generation import cpu as cpu_generation
+from comlrl_trl.loading import base_model
 from comlrl_trl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl_trl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer, MARLOOConfig, MARLOOTrainer
@@ -40,8 +42,9 @@ OVERRIDES = [
 ]
 
 
-def _record_generation_configs(trainer):
-    """Wrap every agent model's `generate` to record the generation config it is called with."""
+def _record_generation_configs(trainer, monkeypatch):
+    """Record the generation config of every sampling call of each agent: its model's `generate` (TRL's own call) and
+    the lean CPU generator's own loop (`lean_generate`, called with the agent's transformers model and its config)."""
     seen = [[] for _ in trainer.agents]
     for i, agent in enumerate(trainer.agent_trainers):
         model = agent.model
@@ -52,6 +55,15 @@ def _record_generation_configs(trainer):
             return _original(*args, **kwargs)
 
         model.generate = generate
+    agent_of = {id(base_model(agent.model)): i for i, agent in enumerate(trainer.agent_trainers)}
+    lean = cpu_generation.lean_generate
+
+    def lean_generate(model, input_ids, attention_mask, config, decoder=None, logits=None):
+        assert decoder is None, "agents with different settings must not decode in one loop"
+        seen[agent_of[id(model)]].append(config)
+        return lean(model, input_ids, attention_mask, config, decoder=decoder, logits=logits)
+
+    monkeypatch.setattr(cpu_generation, "lean_generate", lean_generate)
     return seen
 
 
@@ -160,10 +172,10 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_agent_trains_and_samples_with_its_own_values(family, qwen_path, make_config):
+def test_each_agent_trains_and_samples_with_its_own_values(family, qwen_path, make_config, monkeypatch):
     trainer = FAMILIES[family](qwen_path, make_config)
     team = trainer.rl_trainer.agent_trainers if hasattr(trainer, "rl_trainer") else trainer.agent_trainers
-    seen = _record_generation_configs(trainer.rl_trainer if hasattr(trainer, "rl_trainer") else trainer)
+    seen = _record_generation_configs(trainer.rl_trainer if hasattr(trainer, "rl_trainer") else trainer, monkeypatch)
     before = [snapshot(model) for model in trainer.agents]
     trainer.train()
 
