@@ -193,7 +193,6 @@ def instrument(clock: PhaseClock, model_class, system: str) -> None:
 
         clock.wrap(LeanCpuGeneration, "__call__", "generation")
         clock.wrap(AgentGRPOTrainer, "generate", "generation")
-        clock.wrap(AgentGRPOTrainer, "_get_per_token_logps_and_entropies", "log-prob forward")
 
 
 def counting_mode(clock: PhaseClock):

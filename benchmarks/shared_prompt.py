@@ -3,7 +3,7 @@
     python benchmarks/shared_prompt.py                      # SmolLM2-135M, 4 rows, the shapes below
     python benchmarks/shared_prompt.py --json out.json
 
-Each row times an agent's `_get_per_token_logps_and_entropies` plus the backward of the log-probabilities' sum (what
+Each row times an agent's `logps_and_entropies` plus the backward of the log-probabilities' sum (what
 TRL's loss does per micro-batch) on 4 rows of random tokens: `distinct` prompts of `prompt` tokens (rows alternate
 between them), completions of `completion` tokens. Packed: the default (`comlrl_trl/adapters/shared_prompt.py`);
 unpacked: every row through the model as TRL runs it. Process CPU seconds, one thread, median of `--repeats`
@@ -67,7 +67,7 @@ def main() -> None:
         shared_prompt.MIN_SAVED_WORK = default if packed else float("inf")
         model.zero_grad(set_to_none=False)
         start = time.process_time()
-        logps, _, _ = agent._get_per_token_logps_and_entropies(model, ids, mask, completion, compute_entropy=True)
+        logps, _, _ = agent.logps_and_entropies(model, ids, mask, completion, compute_entropy=True)
         logps.sum().backward()
         return time.process_time() - start
 

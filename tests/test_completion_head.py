@@ -37,7 +37,7 @@ def test_head_scores_only_completion_positions_with_trls_values(make_team, monke
         (logps * torch.arange(1.0, completion_len + 1)).sum().backward()
         return logps.detach(), model.get_output_embeddings().weight.grad.clone()
 
-    ours, our_grad = logps_and_grad(type(agent)._get_per_token_logps_and_entropies)
+    ours, our_grad = logps_and_grad(type(agent).logps_and_entropies)
     theirs, their_grad = logps_and_grad(GRPOTrainer._get_per_token_logps_and_entropies)
 
     # TRL's own path on a CPU projects every position but the last (rows * 11); ours only the 13 completion tokens

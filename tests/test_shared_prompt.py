@@ -150,7 +150,7 @@ def test_values_and_gradients_are_trls(kind, make_agent, qwen_path, llama_path, 
 
     monkeypatch.setattr(SharedPromptModel, "__call__", spy)
     packed_lengths = _model_calls(agent, monkeypatch)
-    ours = _logps_entropy_grads(type(agent)._get_per_token_logps_and_entropies, agent, ids, mask, completion)
+    ours = _logps_entropy_grads(type(agent).logps_and_entropies, agent, ids, mask, completion)
     assert shapes == [((4, 14), (4, 5))]
     # One call on one packed row: the two prompts' first 8 and 5 real tokens, then 4 rows of 1 + 5 tokens.
     assert packed_lengths == [(1, 8 + 5 + 4 * 6)]
@@ -173,7 +173,7 @@ def test_a_tiny_model_is_not_packed_at_the_default_threshold(make_agent, qwen_pa
     calls = _model_calls(agent, monkeypatch)
     packs = []
     monkeypatch.setattr(PackedRows, "__init__", lambda self, *args: packs.append(args))
-    agent._get_per_token_logps_and_entropies(agent.model, ids, mask, completion)
+    agent.logps_and_entropies(agent.model, ids, mask, completion)
     assert calls == [(4, 14)] and packs == []
 
 
@@ -181,14 +181,14 @@ def test_a_tiny_model_is_not_packed_at_the_default_threshold(make_agent, qwen_pa
 def test_agents_leave_other_setups_to_trls_forward(change, make_agent, qwen_path, monkeypatch):
     agent = make_agent(qwen_path)
     kwargs = {"batch_size": 4, "compute_entropy": True}
-    assert type(agent)._shares_prompts(agent, agent.model, (), kwargs)
+    assert type(agent)._shares_prompts(agent, agent.model, kwargs)
     if change == "image inputs":
         kwargs["pixel_values"] = torch.zeros(1, 3, 8, 8)
     elif change == "deepspeed":  # its engine, like DDP's wrapper, expects the forward TRL makes
         monkeypatch.setattr(agent, "is_deepspeed_enabled", True)
     else:
         monkeypatch.setattr(type(agent.accelerator), "num_processes", property(lambda self: 2))
-    assert not type(agent)._shares_prompts(agent, agent.model, (), kwargs)
+    assert not type(agent)._shares_prompts(agent, agent.model, kwargs)
 
 
 @pytest.mark.parametrize("change", ["eager attention", "other layers", "one-token prompts"])
@@ -203,7 +203,7 @@ def test_models_and_rows_left_to_trls_forward(change, make_agent, qwen_path, mon
     else:  # nothing to share: the last prompt token runs with its row
         ids, mask = ids[:, -completion - 1 :], mask[:, -completion - 1 :]
     calls = _model_calls(agent, monkeypatch)
-    agent._get_per_token_logps_and_entropies(agent.model, ids, mask, completion)
+    agent.logps_and_entropies(agent.model, ids, mask, completion)
     assert calls == [tuple(ids.shape)]
 
 

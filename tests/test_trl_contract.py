@@ -14,7 +14,7 @@ from transformers import Trainer
 from trl import GRPOTrainer, RewardTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from comlrl_trl.adapters.grpo import Rollout
+from comlrl_trl.adapters.grpo import LOSS_MODEL_INPUTS, Rollout
 from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
@@ -65,14 +65,28 @@ def test_private_hook_signatures(method, parameters):
 
 
 def test_the_loss_hands_its_model_argument_to_the_logprob_forward():
-    """`policy_loss` passes the loss's micro-batch to the log-probability forward inside the `model` argument
-    (`_RatioFromForward`): TRL's loss must hand `model` on as it got it, and call the forward once."""
+    """`policy_loss` hands TRL's loss the agent's log-probability forward as its `model` argument (`logprob_forward`,
+    `_RatioFromForward`): TRL's loss must hand `model` on as it got it, call the forward once, and pass it exactly the
+    micro-batch entries `LOSS_MODEL_INPUTS` names (by which the agent decides whether prompts are shared)."""
     source = inspect.getsource(GRPOTrainer._compute_loss)
     assert source.count("self._get_per_token_logps_and_entropies(") == 1
     assert "self._get_per_token_logps_and_entropies(\n            model,\n" in source
     tree = ast.parse(textwrap.dedent(source))
     uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "model"]
     assert len(uses) == 1  # `model` is read once: the forward's first argument
+    call = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_get_per_token_logps_and_entropies"
+    )
+    from_inputs = [
+        keyword.arg
+        for keyword in call.keywords
+        if isinstance(keyword.value, ast.Call) and ast.unparse(keyword.value) == f"inputs.get('{keyword.arg}')"
+    ]
+    assert tuple(from_inputs) == LOSS_MODEL_INPUTS
+    others = {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords if keyword.arg not in from_inputs}
+    assert others == {"compute_entropy": "True", "compute_aux_loss": "self.aux_loss_enabled"}
 
 
 def _trl_scored(agent, rows, rollout, rewards):

@@ -2,9 +2,11 @@
 
 The team hands an agent its rollout and rewards (`score`) and advantages (`fill_micro_batches`) as arguments; the
 agent builds its scored batch itself and runs its forward and backward pass itself (`forward_backward`). From the
-team loop to the loss, control passes between this package's code and TRL's (or transformers' `Trainer`) only for
-TRL's policy loss and, inside it, the log-probability forward, which the agent wraps (`_get_per_token_logps_and_
-entropies`: shared prompts, the CPU head, the vLLM ratio). Generation (the team generator) and the optimiser step,
+team loop to the loss, control passes between this package's code and TRL's only twice: into TRL's policy loss, and
+from TRL's log-probability forward into the model the agent hands it (`logprob_forward`: shared prompts, the CPU
+head, the vLLM ratio). Counted: every call of one of the agent's methods (its own or those it inherits from TRL and
+transformers' `Trainer`) from the other side, and every call from TRL into this package on any object, during the
+agent's part of the update (`_crossings_of_one_update`). Generation (the team generator) and the optimiser step,
 after the loss, are outside the count.
 """
 
@@ -20,7 +22,8 @@ from comlrl_trl.trainers.reinforce import MAGRPOTrainer
 
 
 OURS = os.path.dirname(comlrl_trl.__file__)
-THEIRS = (os.path.dirname(trl.__file__), os.path.dirname(transformers.__file__))
+TRL = os.path.dirname(trl.__file__)
+THEIRS = (TRL, os.path.dirname(transformers.__file__))
 
 
 def _side(code) -> str | None:
@@ -32,19 +35,40 @@ def _side(code) -> str | None:
 
 
 def _crossings_of_one_update(trainer, agent) -> list[str]:
-    """Every call of one of `agent`'s methods whose nearest caller on either side is on the other side, during one
-    optimiser update of the team, less generation and the optimiser step."""
+    """During one optimiser update of the team, less generation and the optimiser step, and within `agent`'s part of
+    it: every call of one of `agent`'s methods whose nearest caller on either side is on the other side, and every
+    call of this package's code whose nearest caller is TRL's (a callback). A callback into another object than the
+    agent counts once, with what it calls: the model an agent hands TRL's log-probability forward runs its own
+    kernels (on a CPU, a copy of TRL's fused head that asks this package which positions to score), as a transformers
+    model's forward would."""
     crossings, paused = [], [0]
+    state = {"agent_frames": 0, "callback": None}
 
     def profile(frame, event, arg):
-        if event != "call" or paused[0] or frame.f_locals.get("self") is not agent:
+        if paused[0] or event not in ("call", "return"):
+            return
+        if state["callback"] is not None:  # inside a callback from TRL: its own work
+            if event == "return" and frame is state["callback"]:
+                state["callback"] = None
+            return
+        own = frame.f_locals.get("self") is agent
+        if event == "return":
+            state["agent_frames"] -= own
+            return
+        state["agent_frames"] += own
+        if not state["agent_frames"]:  # the team's or another agent's work
             return
         caller = frame.f_back
         while caller is not None and _side(caller.f_code) is None:
             caller = caller.f_back
         callee_side, caller_side = _side(frame.f_code), _side(caller.f_code) if caller else None
-        if callee_side and caller_side and callee_side != caller_side:
+        if not callee_side or not caller_side or callee_side == caller_side:
+            return
+        callback = callee_side == "ours" and caller.f_code.co_filename.startswith(TRL)
+        if own or callback:
             crossings.append(f"{caller.f_code.co_qualname} -> {frame.f_code.co_qualname}")
+        if callback and not own:  # a model or kernel handed to TRL (an agent's own methods stay watched)
+            state["callback"] = frame
 
     def outside_the_count(function):
         def call(*args, **kwargs):
@@ -85,9 +109,10 @@ def test_one_update_of_an_agent_crosses_into_trl_only_for_its_loss(qwen_path, ma
     # Before issue 57 there were nine: score -> TRL's _generate_and_score_completions -> (parked) _generate and
     # _calculate_rewards, TRL's advantages computed and dropped; train_micro_batch -> TRL's training_step ->
     # _prepare_inputs, compute_loss -> _compute_loss -> GRPOTrainer._compute_loss -> the log-probability hook -> TRL's.
+    # Then four, while the agent overrode TRL's log-probability forward: TRL's loss called the override back, which
+    # called TRL's own, which called the agent's model wrapper.
     assert crossings == [
         "AgentGRPOTrainer.policy_loss -> GRPOTrainer._compute_loss",
-        "GRPOTrainer._compute_loss -> AgentGRPOTrainer._get_per_token_logps_and_entropies",
-        "AgentGRPOTrainer._get_per_token_logps_and_entropies -> profiling_decorator.<locals>.wrapper",
+        "GRPOTrainer._get_per_token_logps_and_entropies -> AgentLogProbForward.__call__",
     ]
     assert not {"_handed_in", "_ratio_for"} & set(dir(agent))  # nothing parked on the agent for TRL to read

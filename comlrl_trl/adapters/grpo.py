@@ -13,8 +13,8 @@ state, metrics, and the reset between training stages. An agent never runs its o
 Values passed, not parked. Nothing the team computes is parked on an agent for TRL to read back: `score` builds
 the scored batch from the rollout and rewards it is given (TRL's padding, masks and log-probability forward, TRL's
 reward metrics; no TRL advantages, computed and dropped), `fill_micro_batches` takes the team's advantages, and the
-loss's vLLM importance-sampling ratio travels with the `model` argument TRL's loss hands to the log-probability
-forward (`_RatioFromForward`). TRL's own scoring (`_generate_and_score_completions`, `_generate`,
+loss's vLLM importance-sampling ratio is set by the log-probability forward the agent hands TRL's loss as its `model`
+argument (`_RatioFromForward`). TRL's own scoring (`_generate_and_score_completions`, `_generate`,
 `_calculate_rewards`) is never called on an agent.
 """
 
@@ -40,6 +40,22 @@ from .shared_prompt import shares_prompts
 
 
 logger = logging.get_logger(__name__)
+
+
+#: The micro-batch entries TRL's loss (`GRPOTrainer._compute_loss`) passes on to its log-probability forward by name
+#: (`tests/test_trl_contract.py` pins them): with any of them set, the forward is left as TRL runs it.
+LOSS_MODEL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 class Rollout(NamedTuple):
@@ -362,11 +378,16 @@ class AgentGRPOTrainer(GRPOTrainer):
         return [ids[-limit:] for ids in prompt_ids], images, multimodal_fields
 
     def per_token_logps(self, model, input_ids, attention_mask, logits_to_keep: int, batch_size: int) -> torch.Tensor:
-        """TRL's per-token log-probabilities of the last `logits_to_keep` tokens (temperature applied as in the loss)."""
-        logps, *_ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-        )
+        """TRL's per-token log-probabilities of the last `logits_to_keep` tokens (temperature applied as in the loss),
+        through this agent's log-probability forward (`logps_and_entropies`)."""
+        logps, *_ = self.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)
         return logps
+
+    def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep: int, **kwargs: Any):
+        """TRL's `_get_per_token_logps_and_entropies` (`kwargs`: the rest of its arguments) with `model` called
+        through this agent's log-probability forward (`logprob_forward`)."""
+        forward = self.logprob_forward(model, input_ids.size(1) - logits_to_keep, kwargs)
+        return self._get_per_token_logps_and_entropies(forward, input_ids, attention_mask, logits_to_keep, **kwargs)
 
     # ----- micro-batches -----
 
@@ -486,42 +507,32 @@ class AgentGRPOTrainer(GRPOTrainer):
     def policy_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's clipped policy loss (with its KL term and metrics) on one micro-batch.
 
-        On-policy vLLM generation (`ratio_from_loss_forward`): the micro-batch's importance-sampling ratio comes from
-        this loss's own forward. TRL's loss hands its `model` argument to the log-probability forward, so the model
-        goes in as `_RatioFromForward(model, inputs)`, and the forward adds the ratio to this loss's copy of `inputs`
-        before TRL's loss reads it."""
+        TRL's loss calls its `model` argument for the log-probabilities, so the model goes in as this agent's
+        log-probability forward (`logprob_forward`, with the inputs TRL's loss passes on from the micro-batch).
+        On-policy vLLM generation (`ratio_from_loss_forward`): that forward also sets the micro-batch's
+        importance-sampling ratio from its own log-probabilities (`_RatioFromForward`), in this loss's copy of
+        `inputs`, before TRL's loss reads it."""
+        loss_kwargs = {"compute_aux_loss": self.aux_loss_enabled} | {key: inputs.get(key) for key in LOSS_MODEL_INPUTS}
+        forward = self.logprob_forward(model, inputs["prompt_ids"].size(1), loss_kwargs)
         if self.ratio_from_loss_forward and "importance_sampling_ratio" not in inputs:
             inputs = dict(inputs)  # the ratio is added for this loss only
-            model = _RatioFromForward(model, inputs)
-        return GRPOTrainer._compute_loss(self, model, inputs)
+            forward = _RatioFromForward(forward, self, inputs)
+        return GRPOTrainer._compute_loss(self, forward, inputs)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        ratio_for = None
-        if isinstance(model, _RatioFromForward):  # the forward of `policy_loss`: the policy's own log-probabilities
-            model, ratio_for = model
-        model = self.agent_logprob_forward(model, input_ids.size(1) - logits_to_keep, args, kwargs)
-        out = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
-        if ratio_for is not None:
-            ratio_for["importance_sampling_ratio"] = self._sampling_correction(out[0].detach(), ratio_for)
-        return out
-
-    def agent_logprob_forward(self, model, prompt_length: int, args: tuple, kwargs: dict[str, Any]):
+    def logprob_forward(self, model, prompt_length: int, kwargs: dict[str, Any]) -> AgentLogProbForward:
         """The model TRL's log-probability forward calls for this agent (`adapters/logprob_forward.py`): `model` with
         the training-side kernels for the length of each of its calls, on this agent's model only: shared prompts
         (`_shares_prompts`; `prompt_length`: the rows' prompt columns) and, on a CPU, the completions-only head with
-        the in-place backward. `args` and `kwargs`: the rest of TRL's call."""
-        shared = prompt_length if self._shares_prompts(model, args, kwargs) else None
+        the in-place backward. `kwargs`: the rest of the arguments of TRL's log-probability forward."""
+        shared = prompt_length if self._shares_prompts(model, kwargs) else None
         return AgentLogProbForward(model, prompt_length=shared)
 
-    def _shares_prompts(self, model, args: tuple, kwargs: dict[str, Any]) -> bool:
+    def _shares_prompts(self, model, kwargs: dict[str, Any]) -> bool:
         """Whether the log-probability forward runs each distinct prompt of a chunk once (`adapters/shared_prompt.py`):
         text only, and one process without DeepSpeed or FSDP, whose wrappers are left as TRL calls them."""
         inputs = {key: value for key, value in kwargs.items() if key not in ("batch_size", "compute_entropy")}
         return (
-            not args
-            and all(value is None or value is False for value in inputs.values())
+            all(value is None or value is False for value in inputs.values())
             and self.accelerator.num_processes == 1
             and not self.is_deepspeed_enabled
             and not self.is_fsdp_enabled
@@ -621,12 +632,23 @@ class AgentGRPOTrainer(GRPOTrainer):
         enable_cpu_fp16(self.accelerator)
 
 
-class _RatioFromForward(NamedTuple):
-    """The `model` argument `policy_loss` passes through TRL's loss to the log-probability forward: the model, and the
-    loss's micro-batch, which receives the vLLM importance-sampling ratio of that forward's log-probabilities."""
+class _RatioFromForward:
+    """The log-probability forward of `policy_loss` under on-policy vLLM generation: `forward`, which also sets the
+    micro-batch's importance-sampling ratio (`inputs`) from the log-probabilities of its calls, once every row of the
+    micro-batch has been scored (TRL's forward calls it once per chunk of rows, in order)."""
 
-    model: Any
-    inputs: dict[str, Any]
+    def __init__(self, forward: AgentLogProbForward, agent: AgentGRPOTrainer, inputs: dict[str, Any]):
+        self.forward, self.agent, self.inputs = forward, agent, inputs
+        self._logps: list[torch.Tensor] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        out = self.forward(**kwargs)
+        completion_ids = self.inputs["completion_ids"]
+        self._logps.append(out.log_probs[:, -completion_ids.size(1) :].detach())
+        if sum(len(logps) for logps in self._logps) == len(completion_ids):
+            logps = torch.cat(self._logps)
+            self.inputs["importance_sampling_ratio"] = self.agent._sampling_correction(logps, self.inputs)
+        return out
 
 
 class _TeamEngineSync:
