@@ -154,6 +154,15 @@ def test_joint_generation_false_generates_agent_by_agent(make_team, monkeypatch)
     assert loops == [4, 4]
 
 
+def test_the_teams_joint_generation_decides_not_the_first_agents(make_team, monkeypatch):
+    trainer = make_team()  # joint_generation=True: one loop
+    monkeypatch.setattr(trainer.agent_trainers[0].args, "joint_generation", False, raising=False)
+    assert trainer.orchestrator.team_generation.unavailable() is None
+    loops = _count_loops(monkeypatch)
+    trainer.orchestrator.team_generation(_prompts())
+    assert loops == [8]
+
+
 def test_training_with_one_loop_updates_every_agent(make_lora_team, monkeypatch):
     trainer = make_lora_team(max_steps=2)
     loops = _count_loops(monkeypatch)

@@ -62,8 +62,9 @@ class LeanCpuGeneration:
     """Every agent's completions on a CPU: one joint decoding loop where it applies, else one loop per agent, else
     the agent's own TRL call."""
 
-    def __init__(self, agents: list):
+    def __init__(self, agents: list, joint: bool = True):
         self.agents = agents
+        self.joint = joint  # the team's `joint_generation`: every agent's rows in one loop where it applies
         self.shared = SharedWeights()
         self._told: set[str] = set()
 
@@ -120,7 +121,7 @@ class LeanCpuGeneration:
         first = agents[0]
         if len(agents) < 2:
             raise LeanDecodingUnavailable("one agent")
-        if not first.args.joint_generation:
+        if not self.joint:
             raise LeanDecodingUnavailable("joint_generation=False")
         for agent in agents:
             reason = _model_unavailable(agent)

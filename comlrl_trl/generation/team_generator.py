@@ -61,4 +61,4 @@ def team_generator(agents: list, args) -> TeamGenerator:
         return PerAgentGeneration(agents)
     from .cpu import LeanCpuGeneration  # the CPU speed-ups are imported only where they may run
 
-    return LeanCpuGeneration(agents)
+    return LeanCpuGeneration(agents, joint=getattr(args, "joint_generation", True))
