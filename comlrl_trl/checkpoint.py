@@ -580,16 +580,25 @@ def apply_ddp_timeout(seconds: float | None) -> None:
 
     transformers passes `ddp_timeout` to `init_process_group` on GPUs (DDP and DeepSpeed) but not under `use_cpu`,
     where gloo kept its 30-minute default; this sets it on the default group (a local setting of each process, no
-    collective). Nothing happens without a process group, or where this torch has no way to set it.
+    collective). Nothing happens without a process group. Where this torch cannot set it (torch's private
+    `_set_pg_timeout` is missing or fails), a warning says that the waits keep the group's own timeout.
     """
     import torch.distributed as dist
 
     if seconds is None or not (dist.is_available() and dist.is_initialized()):
         return
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is not None:
-        with contextlib.suppress(Exception):
-            set_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        if set_timeout is None:
+            raise AttributeError("torch.distributed.distributed_c10d has no _set_pg_timeout")
+        set_timeout(datetime.timedelta(seconds=seconds))
+    except Exception as error:  # a private torch function: any failure leaves the group's timeout
+        warnings.warn(
+            f"ddp_timeout={seconds} s could not be set on the process group ({type(error).__name__}: {error}); "
+            "waits for other processes keep the group's own timeout (gloo's default: 30 minutes). Pass `timeout=` to "
+            "`init_process_group` yourself, or use a torch that has `_set_pg_timeout`.",
+            stacklevel=2,
+        )
 
 
 def on_main_process(function, accelerator):
