@@ -5,8 +5,8 @@
     python benchmarks/learning.py --row "on-policy=steps_per_generation=1"   # an extra row: ours with a default changed
     python benchmarks/learning.py --chat --tag chat    # the prompts under the chat template, for both systems
     python benchmarks/learning.py --systems ours --row "fp32=bf16=false" --forward-weights bf16   # a diagnostic
-    python benchmarks/learning.py --budget --seeds 0 1 2 3 4 --jobs 2            # budget mode (below), ~1.5 h
-    python benchmarks/learning.py --budget --lora --seeds 0 1 2 3 4 --jobs 2     # with the LoRA rows, ~2.5 h
+    python benchmarks/learning.py --budget --seeds 0 1 2 3 4 --jobs 2            # budget mode (below), ~2.5 h
+    python benchmarks/learning.py --budget --lora --seeds 0 1 2 3 4 --jobs 2     # with the LoRA rows, ~4 h
     python benchmarks/learning.py --budget --model tiny --seeds 0 --epochs 1 --runs-dir /tmp/lb --tag smoke  # smoke
 
 The run is the documentation's length-ratio tutorial on SmolLM2-135M-Instruct, fully fine-tuned, one torch thread:
