@@ -796,16 +796,39 @@ def _listing(directory: str) -> list[tuple[str, int]]:
     return sorted(files)
 
 
+def nested_manifest(directory: str) -> dict[str, dict[str, Any]]:
+    """The manifests of the checkpoints nested in `directory` (a subdirectory with metadata of its own, such as the
+    RL stage's epoch checkpoint moved into a MARLHF checkpoint), merged, keyed by path relative to `directory`. The
+    nested metadata files themselves are not in it."""
+    found = {}
+    for parent, _, names in os.walk(directory):
+        prefix = os.path.relpath(parent, directory).replace(os.sep, "/")
+        if prefix == "." or METADATA_NAME not in names:
+            continue
+        with open(os.path.join(parent, METADATA_NAME)) as f:
+            manifest = json.load(f).get(MANIFEST_KEY) or {}
+        found.update({f"{prefix}/{relative}": entry for relative, entry in manifest.items()})
+    return found
+
+
 def build_manifest(directory: str, accelerator=None) -> dict[str, dict[str, Any]]:
     """`{relative path: {"size": bytes, "sha256": hex}}` for every file under `directory` but the metadata.
 
-    With an `accelerator` of several processes, call it on every process: the main process lists the files, every
-    process hashes its share of them (`hash_files`), and every process gets the whole manifest.
+    A file of a nested checkpoint (`nested_manifest`), moved in whole after its own manifest was written, keeps the
+    digest recorded there when its size is the same: it is not read again. With an `accelerator` of several
+    processes, call it on every process: the main process lists the files, every process hashes its share of the
+    others (`hash_files`), and every process gets the whole manifest.
     """
-    files = on_main_process(lambda: _listing(directory), accelerator)
-    paths = [os.path.join(directory, *relative.split("/")) for relative, _ in files]
-    digests = hash_files(paths, [size for _, size in files], accelerator)
-    return {relative: {"size": size, "sha256": digest} for (relative, size), digest in zip(files, digests)}
+    files, known = on_main_process(lambda: (_listing(directory), nested_manifest(directory)), accelerator)
+    fresh = [(relative, size) for relative, size in files if known.get(relative, {}).get("size") != size]
+    paths = [os.path.join(directory, *relative.split("/")) for relative, _ in fresh]
+    digests = dict(
+        zip((relative for relative, _ in fresh), hash_files(paths, [size for _, size in fresh], accelerator))
+    )
+    return {
+        relative: {"size": size, "sha256": digests[relative] if relative in digests else known[relative]["sha256"]}
+        for relative, size in files
+    }
 
 
 def write_metadata(directory: str, metadata: dict[str, Any], manifest: dict[str, Any] | None = None) -> None:
@@ -816,12 +839,13 @@ def write_metadata(directory: str, metadata: dict[str, Any], manifest: dict[str,
         json.dump({**metadata, MANIFEST_KEY: manifest}, f, indent=2)
 
 
-def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None) -> dict[str, Any]:
+def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read the metadata and check every file of the manifest; raise naming each missing or damaged file.
 
-    With an `accelerator` of several processes, call it on every process: the main process reads the metadata,
-    every process checks its share of the files (`hash_shares`), and every process gets the metadata or the same
-    error (a damaged file, or a process that failed while reading, named).
+    Files under the subdirectories `skip` are left out (a nested checkpoint that its own resume verifies; its
+    metadata file is still checked). With an `accelerator` of several processes, call it on every process: the main
+    process reads the metadata, every process checks its share of the files (`hash_shares`), and every process gets
+    the metadata or the same error (a damaged file, or a process that failed while reading, named).
     """
     checkpoint = os.fspath(checkpoint)
     metadata = on_main_process(lambda: read_checkpoint_metadata(checkpoint), accelerator)
@@ -831,7 +855,10 @@ def verify_checkpoint(checkpoint: str | os.PathLike, accelerator=None) -> dict[s
             f"{checkpoint} has no manifest (written by an older comlrl_trl): its files are not verified.", stacklevel=3
         )
         return metadata
-    relatives = list(manifest)
+    skipped = tuple(f"{directory}/" for directory in skip)
+    relatives = [
+        relative for relative in manifest if not relative.startswith(skipped) or relative.endswith("/" + METADATA_NAME)
+    ]
     rank, processes = _process(accelerator)
     shares = hash_shares([manifest[relative]["size"] for relative in relatives], processes)
     mine = [relatives[i] for i in shares[rank]]

@@ -268,7 +268,6 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-1", "checkpoint-2"]  # no lock, no staging left
     damaged = tmp_path / "damaged" / "checkpoint-2"
     shutil.copytree(tmp_path / "ckpt" / "checkpoint-2", damaged)
-    (damaged / "rl" / "agent_1" / "optimizer.pt").unlink()
     path = damaged / "preference" / "reward_model.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -276,7 +275,17 @@ def test_marlhf_checkpoints_are_verified_and_keep_their_settings(qwen_path, make
     with pytest.raises(ValueError, match="not as it was saved") as raised:
         build(num_train_epochs=2).train(resume_from_checkpoint=str(damaged))
     assert "preference/reward_model.safetensors is damaged" in str(raised.value)
-    assert "rl/agent_1/optimizer.pt is missing" in str(raised.value)
+    # The RL stage's epoch checkpoint inside it is verified when the RL stage resumes it, naming its own path.
+    shutil.rmtree(damaged.parent)
+    shutil.copytree(tmp_path / "ckpt" / "checkpoint-2", damaged)
+    (damaged / "rl" / "agent_1" / "optimizer.pt").unlink()
+    with pytest.raises(ValueError, match=f"Cannot resume from {damaged / 'rl'}: the checkpoint is not as") as raised:
+        build(num_train_epochs=2).train(resume_from_checkpoint=str(damaged))
+    assert "\n  agent_1/optimizer.pt is missing" in str(raised.value)
+    (damaged / "rl" / "comlrl_trl_checkpoint.json").unlink()  # its own metadata is in the outer manifest
+    with pytest.raises(ValueError, match=f"Cannot resume from {damaged}: the checkpoint is not as") as raised:
+        build(num_train_epochs=2).train(resume_from_checkpoint=str(damaged))
+    assert "rl/comlrl_trl_checkpoint.json is missing" in str(raised.value)
     with pytest.raises(ValueError, match="reward_learning_rate: checkpoint has 0.001, this trainer has 0.01"):
         build(num_train_epochs=2, reward_learning_rate=1e-2).train(
             resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-2")
@@ -383,6 +392,46 @@ def test_hashing_on_threads_gives_the_digests_of_one_thread(tmp_path):
     assert list(manifest) == sorted(contents)
     for relative, data in contents.items():
         assert manifest[relative] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_nested_checkpoint_keeps_its_digests_and_is_left_to_its_own_verification(tmp_path, monkeypatch):
+    """MARLHF moves the RL stage's hashed epoch checkpoint into its own: the outer manifest takes the recorded digest
+    of each of its files whose size is unchanged instead of reading it again (hashed: the outer files, the nested
+    metadata and a file whose size changed), and `verify_checkpoint(skip=...)` checks the nested metadata but leaves
+    the nested files to the nested checkpoint's own verification."""
+    import hashlib
+
+    from comlrl_trl import checkpoint
+
+    (tmp_path / "rl" / "agent_0").mkdir(parents=True)
+    (tmp_path / "preference.json").write_bytes(b"pairs")
+    (tmp_path / "rl" / "agent_0" / "model.bin").write_bytes(b"weights")
+    (tmp_path / "rl" / "agent_0" / "grown.bin").write_bytes(b"state, longer than when it was hashed")
+    recorded = {
+        "agent_0/model.bin": {"size": 7, "sha256": "a" * 64},  # not the real digest: proves it was not re-read
+        "agent_0/grown.bin": {"size": 5, "sha256": "b" * 64},
+    }
+    (tmp_path / "rl" / checkpoint.METADATA_NAME).write_text(json.dumps({checkpoint.MANIFEST_KEY: recorded}))
+    read = []
+    sha256 = checkpoint._sha256
+    monkeypatch.setattr(
+        checkpoint, "_sha256", lambda path: read.append(os.path.relpath(path, tmp_path)) or sha256(path)
+    )
+
+    manifest = checkpoint.build_manifest(str(tmp_path))
+
+    assert sorted(read) == ["preference.json", "rl/agent_0/grown.bin", "rl/comlrl_trl_checkpoint.json"]
+    assert manifest["rl/agent_0/model.bin"] == {"size": 7, "sha256": "a" * 64}
+    grown = b"state, longer than when it was hashed"
+    assert manifest["rl/agent_0/grown.bin"] == {"size": len(grown), "sha256": hashlib.sha256(grown).hexdigest()}
+    assert manifest["preference.json"] == {"size": 5, "sha256": hashlib.sha256(b"pairs").hexdigest()}
+
+    checkpoint.write_metadata(str(tmp_path), {"version": 1}, manifest)
+    read.clear()
+    checkpoint.verify_checkpoint(str(tmp_path), skip=("rl",))  # model.bin's recorded digest is not checked here
+    assert sorted(read) == ["preference.json", "rl/comlrl_trl_checkpoint.json"]
+    with pytest.raises(ValueError, match="rl/agent_0/model.bin is damaged"):
+        checkpoint.verify_checkpoint(str(tmp_path))  # without skip every file is checked
 
 
 # Every setting a resume must keep, written out here (not read from checkpoint.RESULT_SETTINGS), so that one left

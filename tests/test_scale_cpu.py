@@ -1,6 +1,6 @@
 """CPU proofs of scale (issue 58): bytes per rank of fully fine-tuned agents under DDP, ZeRO-2 and ZeRO-3 against a
 formula; "2 nodes x 2 ranks" (two torchrun launchers on one machine, gloo) saving, resuming and refusing another
-world size; a rank that fails or stalls mid-step stops every rank within `ddp_timeout`."""
+world size, and a rank that fails or stalls mid-step stopping every rank within `ddp_timeout`, for every family."""
 
 import importlib.util
 import json
@@ -137,9 +137,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(tmp_path, mode: str, timeout: float = 300) -> tuple[list[dict], list[str], list[int], float]:
+def two_nodes(
+    tmp_path, mode: str, timeout: float = 300, family: str = "magrpo"
+) -> tuple[list[dict], list[str], list[int], float]:
     """Two torchrun launchers, `--nnodes 2 --node_rank 0/1 --nproc_per_node 2`, each in its own working directory
-    (tmp_path/node0, node1), sharing tmp_path/shared. Returns the ranks' RESULTs (by rank), each launcher's stderr and
+    (tmp_path/node0, node1), sharing tmp_path/shared, training a team of `family`. Returns the ranks' RESULTs (by rank), each launcher's stderr and
     return code, and the wall time until both exited."""
     tiny_model_path("qwen2")
     shared, port = tmp_path / "shared", _free_port()
@@ -151,7 +153,7 @@ def two_nodes(tmp_path, mode: str, timeout: float = 300) -> tuple[list[dict], li
         cwd.mkdir(exist_ok=True)
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
         command += ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        command += [str(SCRIPTS / "two_node_team.py"), str(shared), mode]
+        command += [str(SCRIPTS / "two_node_team.py"), str(shared), mode, family]
         processes.append(
             subprocess.Popen(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -201,6 +203,60 @@ def test_two_nodes_save_once_verify_by_shares_resume_and_refuse_another_world_si
         assert "checkpoint-2: it was saved by a run of 4 processes and this run has 2." in r["error"]
 
 
+def _written(checkpoints: Path) -> list[str]:
+    return sorted(name for name in os.listdir(checkpoints) if name.startswith("checkpoint-"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["iac", "maac", "madpo", "marlhf"])
+def test_every_family_saves_once_resumes_and_refuses_another_world_size_on_two_nodes(tmp_path, family):
+    """IAC (a separate critic per agent), MAAC, MADPO and MARLHF (pairs, reward model, RL stage) on 2 nodes x 2 ranks,
+    as MAGRPO above: one epoch writes its checkpoints once, into the shared directory, every rank hashing a share
+    (each file once); the 4 ranks resume the latest and train the second epoch only, without repeating the first
+    (twice the steps; the reward function called as often as in one epoch, and never by MARLHF, whose pairs are in the
+    checkpoint); 2 ranks resuming it are refused, naming both sizes."""
+    checkpoints = tmp_path / "shared" / "ckpt"
+    saved, errors, codes, _ = two_nodes(tmp_path, "save", family=family)
+    assert codes == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    assert [(r["rank"], r["node"], r["should_save"]) for r in saved] == [
+        (0, 0, True),
+        (1, 0, False),
+        (2, 1, False),
+        (3, 1, False),
+    ]
+    assert all(r["world"] == 4 and r["error"] is None and r["reward_calls"] > 0 for r in saved)
+    steps = saved[0]["step"]
+    assert steps > 0 and all(r["step"] == steps for r in saved)
+    written = _written(checkpoints)  # MARLHF: after its preference stage and after the RL epoch
+    assert written == (["checkpoint-1", "checkpoint-2"] if family == "marlhf" else ["checkpoint-1"])
+    assert os.listdir(tmp_path / "node0") == [] and os.listdir(tmp_path / "node1") == []
+    hashed = [path for r in saved for path in r["hashed"]]
+    assert all(r["hashed"] for r in saved)  # each file read once, by one rank
+    assert len(hashed) == len(set(hashed)) == sum(len(_manifest(checkpoints / name)) for name in written)
+
+    resumed, errors, codes, _ = two_nodes(tmp_path, "resume", family=family)
+    assert codes == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    calls = 0 if family == "marlhf" else saved[0]["reward_calls"]
+    assert all(r["step"] == 2 * steps and r["error"] is None and r["reward_calls"] == calls for r in resumed)
+    new = _written(checkpoints)
+    assert len(new) == len(written) + 1
+    # the resumed checkpoint verified and the new one hashed, by shares, each file read once (MARLHF's RL stage's
+    # epoch checkpoint too, hashed when written and verified when resumed, not again as part of MARLHF's)
+    assert all(r["hashed"] for r in resumed)
+    read = sum(len(r["hashed"]) for r in resumed)
+    assert read == len(_manifest(checkpoints / written[-1])) + len(_manifest(checkpoints / new[-1]))
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(SCRIPTS / "two_node_team.py"), str(tmp_path / "shared"), "resume", family]
+    result = subprocess.run(command, cwd=tmp_path / "node0", env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused = _results(result.stdout)
+    latest = _written(checkpoints)[-1]
+    assert len(refused) == 2 and all(r["step"] == 0 and r["reward_calls"] == 0 for r in refused)
+    for r in refused:
+        assert f"{latest}: it was saved by a run of 4 processes and this run has 2." in r["error"]
+
+
 @pytest.mark.slow
 def test_save_on_each_node_across_two_nodes_is_refused_on_every_rank(tmp_path):
     """transformers' save_pretrained writes the weights on global rank 0 only, so node 1's copy under
@@ -213,19 +269,26 @@ def test_save_on_each_node_across_two_nodes_is_refused_on_every_rank(tmp_path):
     assert not (tmp_path / "node0" / "ckpt").exists() and not (tmp_path / "node1" / "ckpt").exists()
 
 
+FAILED = "RuntimeError: injected failure on rank 3 in its second reward call"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "message"),
+    ("family", "mode", "message"),
     [
-        ("fail", "RuntimeError: injected failure on rank 3 in its second reward call"),
-        ("stall", "Timed out waiting 10000ms"),
+        ("magrpo", "fail", FAILED),
+        ("magrpo", "stall", "Timed out waiting 10000ms"),
+        ("iac", "fail", FAILED),
+        ("maac", "fail", FAILED),
+        ("madpo", "fail", FAILED),
+        ("marlhf", "fail", FAILED),  # in its preference stage, where the reward function scores the candidates
     ],
 )
-def test_a_rank_failing_or_stalling_mid_step_stops_every_rank(tmp_path, mode, message):
-    """Rank 3 (node 1) raises in its second step (`fail`, ddp_timeout=20), or sleeps 300 s there without an error
-    (`stall`, ddp_timeout=10): both launchers exit with an error well before the stall ends, and the failing rank's
-    message (or the timeout of the ranks waiting for it) is in the launchers' output."""
-    results, errors, codes, seconds = two_nodes(tmp_path, mode, timeout=240)
+def test_a_rank_failing_or_stalling_mid_step_stops_every_rank(tmp_path, family, mode, message):
+    """Rank 3 (node 1) raises in its second reward call (`fail`, ddp_timeout=20), or sleeps 300 s there without an
+    error (`stall`, ddp_timeout=10): both launchers exit with an error well before the stall ends, and the failing
+    rank's message (or the timeout of the ranks waiting for it) is in the launchers' output."""
+    results, errors, codes, seconds = two_nodes(tmp_path, mode, timeout=240, family=family)
     assert codes[0] != 0 and codes[1] != 0
     assert results == []  # no rank finished training
     assert message in errors[0] + errors[1]

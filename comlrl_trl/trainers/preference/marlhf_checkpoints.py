@@ -36,6 +36,7 @@ from .pairs import load_pairs, save_pairs
 
 _PAIRS, _REWARD_MODEL = "pairs.json", "reward_model.safetensors"
 _RL_ROOT = ".rl-stage"  # where the RL stage writes its epoch checkpoints before they are wrapped
+_RL = "rl"  # where a MARLHF checkpoint holds the RL stage's epoch checkpoint
 
 # MARLHF settings a resume must keep, beyond the team's result settings (`checkpoint.RESULT_SETTINGS`, which has the
 # pair settings already).
@@ -59,6 +60,8 @@ class MARLHFCheckpoints(Checkpoints):
     It needs the trainer's `rl_trainer` (the team trainer of the RL stage: accelerator, agents, W&B run), `args`,
     `log_history`, `preference_pairs`, `reward_model` and `iteration`.
     """
+
+    nested_checkpoints = (_RL,)  # the RL stage's epoch checkpoint, verified when the RL stage resumes it
 
     # ----- the team's system, with MARLHF's progress and settings -----
 
@@ -150,7 +153,7 @@ class MARLHFCheckpoints(Checkpoints):
         rl = self.rl_trainer
         if self.args.should_save:
             if rl_checkpoint is not None:
-                os.replace(rl_checkpoint, os.path.join(staging, "rl"))
+                os.replace(rl_checkpoint, os.path.join(staging, _RL))
             self._write_preference_assets(os.path.join(staging, "preference"))
         if rl_checkpoint is None:
             actors = os.path.join(staging, "actors")
@@ -182,7 +185,7 @@ class MARLHFCheckpoints(Checkpoints):
         load_model(model, os.path.join(preference, _REWARD_MODEL))
         self._set_reward_model(model)
         self._assets = (self.iteration, preference)
-        rl, rl_dir = self.rl_trainer, os.path.join(checkpoint, "rl")
+        rl, rl_dir = self.rl_trainer, os.path.join(checkpoint, _RL)
         if os.path.isdir(rl_dir):
             resume = rl_dir, TrainerState.load_from_json(os.path.join(rl_dir, TRAINER_STATE_NAME)).global_step
         else:

@@ -70,6 +70,10 @@ class Checkpoints:
     `wandb_identity()`, `stateful_objects()`, and its progress as `_team_state()` and `_restore_team_state()`.
     """
 
+    # Subdirectories of a checkpoint that hold a checkpoint of their own, which resuming verifies when it loads it
+    # (MARLHF's RL stage): the resume check leaves their files to that verification.
+    nested_checkpoints: tuple[str, ...] = ()
+
     # ----- configuration and resume -----
 
     def _configure_checkpoints(self, checkpoint_dir, interval, total_limit) -> None:
@@ -164,9 +168,10 @@ class Checkpoints:
         With `save_on_each_node` each node holds the copy its own saving process wrote and hashed, which the other
         nodes may not see: the main process verifies its copy alone and every process takes its verdict.
         """
+        skip = self.nested_checkpoints
         if getattr(self.args, "save_on_each_node", False):
-            return on_main_process(lambda: verify_checkpoint(checkpoint), self.accelerator)
-        return verify_checkpoint(checkpoint, self.accelerator)
+            return on_main_process(lambda: verify_checkpoint(checkpoint, skip=skip), self.accelerator)
+        return verify_checkpoint(checkpoint, self.accelerator, skip)
 
     def _announce_resume(self, checkpoint: str) -> None:
         """Say where the run resumed (on the main process, through transformers' logger, shown by default)."""
