@@ -51,7 +51,7 @@ AUTO_BUCKETS = {
 ZERO3_AUTO = {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
 
 
-def count_bytes(tmp_path, stage: str | None, auto_buckets: bool = True) -> dict:
+def count_bytes(tmp_path, stage: str | None, auto_buckets: bool = True, family: str = "magrpo") -> dict:
     tiny_model_path("qwen2")  # built here, once
     env = _env()
     if stage is not None:
@@ -64,13 +64,17 @@ def count_bytes(tmp_path, stage: str | None, auto_buckets: bool = True) -> dict:
             (tmp_path / "ds.json").write_text(json.dumps(config))
             env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(tmp_path / "ds.json")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(W)]
-    command += [str(SCRIPTS / "agent_memory_ranks.py"), str(tmp_path / "out"), str(N)]
+    command += [str(SCRIPTS / "agent_memory_ranks.py"), str(tmp_path / "out"), str(N), family]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     (report,) = _results(result.stdout)
     assert report["world"] == W and all(rank["numel"] == [P] * N for rank in report["ranks"])
     rank0, rank1 = report["ranks"]
-    assert rank0["peak"] == rank1["peak"] and rank0["after"] == rank1["after"]  # the same on every rank
+    assert (
+        rank0["after"] == rank1["after"] and rank0["critic_after"] == rank1["critic_after"]
+    )  # the same on every rank
+    if stage is None:  # DeepSpeed's bucket use at the peak may differ by a few hundred bytes between ranks
+        assert rank0["peak"] == rank1["peak"] and rank0["critic_peak"] == rank1["critic_peak"]
     assert rank0["hooks"] >= 2 * N  # 2 optimiser steps of every agent counted
     return rank0
 
@@ -126,6 +130,45 @@ def test_zero3_default_buckets_hold_500m_elements_per_agent(tmp_path):
     records DeepSpeed's default; docs/scaling.md says how to avoid it."""
     counted = count_bytes(tmp_path, "3", auto_buckets=False)
     assert counted["after"]["grads"] >= N * 500_000_000 * FP32
+
+
+# IAC's critic: the tiny Qwen2 and a value head (hidden + 1 bias): 35,137 parameters.
+PC = P + HIDDEN + 1
+
+
+ON_DEEPSPEED = [pytest.mark.slow, needs_deepspeed]
+
+
+@pytest.mark.parametrize("stage", [None, pytest.param("2", marks=ON_DEEPSPEED), pytest.param("3", marks=ON_DEEPSPEED)])
+def test_iac_critics_are_held_as_the_agents_are(tmp_path, stage):
+    """IAC with a separate critic per agent, each with its own AdamW (under DeepSpeed an engine of its own): the
+    critics' bytes per rank follow the agents' formulas with PC parameters each. DDP: 16 N PC, every critic whole
+    on every rank; ZeRO-2: 4 N PC + 16 N PC / W (plus gradient buffers); ZeRO-3: 20 N PC / W, no rank ever holding
+    a whole critic's parameters (4 N PC / W, plus the padding and small whole parameters), and at the peak the
+    fp32 gradient of the stepping critic's partition."""
+    counted = count_bytes(tmp_path, stage, family="iac")
+    assert counted["critic_numel"] == [PC] * N
+    after, peak = counted["critic_after"], counted["critic_peak"]
+    if stage is None:
+        assert peak == {
+            "params": N * PC * FP32,
+            "grads": N * PC * FP32,
+            "optimizer": 2 * N * PC * FP32,
+            "total": 16 * N * PC,  # 1,124,384 bytes
+        }
+        assert after["grads"] == 0
+        assert counted["peak"]["total"] == 16 * N * P  # the agents' bytes are what they are without critics
+    elif stage == "2":
+        # whole, the flat buffer padded to a multiple of 2 W elements (DeepSpeed's alignment)
+        assert N * PC * FP32 <= after["params"] < N * (PC + 2 * W) * FP32
+        assert 12 * N * PC / W <= after["optimizer"] <= 1.01 * 12 * N * PC / W
+        assert 4 * N * PC + 16 * N * PC / W <= peak["total"] < 16 * N * PC
+    else:
+        assert FP32 * N * PC / W <= peak["params"] <= 1.05 * FP32 * N * PC / W
+        assert FP32 * N * PC / W <= after["params"] <= 1.05 * FP32 * N * PC / W
+        assert 12 * N * PC / W <= after["optimizer"] <= 1.01 * 12 * N * PC / W
+        assert 20 * N * PC / W <= after["total"] <= 1.02 * 20 * N * PC / W + N * HIDDEN**2 * FP32
+        assert peak["total"] <= 1.02 * (20 * N + 4) * PC / W + N * HIDDEN**2 * FP32
 
 
 # ----- (b) and (c): 2 "nodes" x 2 ranks -----
