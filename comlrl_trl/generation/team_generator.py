@@ -11,9 +11,13 @@ orchestrator is handed one (`team_generator` picks it from the configuration) an
   or, where the loop does not apply, its own TRL call with nothing replaced.
 """
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..adapters.grpo import Rollout
+
+
+if TYPE_CHECKING:
+    from ..trainers.team.config import TeamConfig
 
 
 GENERATION_BACKENDS = ("auto", "transformers", "cpu")
@@ -35,7 +39,7 @@ class PerAgentGeneration:
         return [agent.generate(agent_prompts) for agent, agent_prompts in zip(self.agents, prompts, strict=True)]
 
 
-def team_generator(agents: list, args) -> TeamGenerator:
+def team_generator(agents: list, args: "TeamConfig") -> TeamGenerator:
     """The generator `args.generation_backend` asks for.
 
     - "transformers": `PerAgentGeneration`.
@@ -44,7 +48,7 @@ def team_generator(agents: list, args) -> TeamGenerator:
       agent's own call where its lean loop does not apply, and when the agents take the team's vLLM engines
       later), else `PerAgentGeneration`.
     """
-    backend = getattr(args, "generation_backend", "auto")
+    backend = args.generation_backend
     if backend not in GENERATION_BACKENDS:
         raise ValueError(
             f"generation_backend must be one of {', '.join(map(repr, GENERATION_BACKENDS))}; got {backend!r}."
@@ -61,4 +65,4 @@ def team_generator(agents: list, args) -> TeamGenerator:
         return PerAgentGeneration(agents)
     from .cpu import LeanCpuGeneration  # the CPU speed-ups are imported only where they may run
 
-    return LeanCpuGeneration(agents, joint=getattr(args, "joint_generation", True))
+    return LeanCpuGeneration(agents, joint=args.joint_generation)
