@@ -252,4 +252,38 @@ def test_the_multi_node_accelerate_config_is_one_accelerate_reads_as_2_machines_
     config = load_config_from_file(str(ROOT / "recipes" / "accelerate" / "deepspeed_zero2_multinode.yaml"))
     assert str(config.distributed_type) == "DistributedType.DEEPSPEED"
     assert (config.num_machines, config.num_processes) == (2, 2 * 8)  # num_processes counts every machine's GPUs
-    assert config.deepspeed_config["zero_stage"] == 2 and config.main_process_ip and config.main_process_port
+    assert config.main_process_ip and config.main_process_port
+    assert config.deepspeed_config["deepspeed_config_file"] == "recipes/accelerate/deepspeed_zero2.json"
+
+
+@pytest.mark.parametrize(
+    ("name", "stage"),
+    [("deepspeed_zero2", 2), ("deepspeed_zero2_multinode", 2), ("deepspeed_zero3", 3)],
+)
+def test_the_deepspeed_launch_configs_size_buckets_per_agent(name, stage, monkeypatch):
+    """What `accelerate launch --config_file recipes/accelerate/<name>.yaml` hands each process (from the repository
+    root), turned into Accelerate's DeepSpeed plugin as a process builds it: accepted (Accelerate refuses a yaml
+    that sets what the DeepSpeed file sets, `mixed_precision` included), at the stage named, with bucket sizes
+    "auto" (filled from each agent's hidden size), not DeepSpeed's 5e8-element default of 1-2 GB per agent engine."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    monkeypatch.chdir(ROOT)
+    args = launch_command_parser().parse_args(
+        ["--config_file", f"recipes/accelerate/{name}.yaml", "recipes/magrpo.py"]
+    )
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)  # as accelerate's launch_command does
+    _, env = prepare_deepspeed_cmd_env(args)
+    for key, value in env.items():
+        if key.startswith("ACCELERATE_"):
+            monkeypatch.setenv(key, value)
+    plugin = DeepSpeedPlugin()
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert plugin.zero_stage == stage and zero["reduce_bucket_size"] == "auto"
+    if stage == 3:
+        assert zero["stage3_prefetch_bucket_size"] == zero["stage3_param_persistence_threshold"] == "auto"
+        assert plugin.zero3_init_flag
+    assert plugin.deepspeed_config["bf16"]["enabled"] == "auto"  # the training config's bf16 decides

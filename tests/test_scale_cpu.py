@@ -39,16 +39,10 @@ W = 2  # processes
 FP32 = 4
 HIDDEN = 32
 
-# A DeepSpeed config whose bucket sizes transformers fills from the model's hidden size (reduce_bucket_size = h^2,
-# stage3_param_persistence_threshold = 10 h): without one (Accelerate's plugin from the environment or a recipe's
-# yaml), DeepSpeed's defaults apply (see test_zero3_default_buckets_hold_500m_elements_per_agent).
-AUTO_BUCKETS = {
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "zero_optimization": {"reduce_bucket_size": "auto"},
-}
-ZERO3_AUTO = {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+# The recipes' DeepSpeed configs, whose bucket sizes transformers fills from the model's hidden size
+# (reduce_bucket_size = h^2, stage3_param_persistence_threshold = 10 h): without one (Accelerate's plugin from the
+# environment alone), DeepSpeed's defaults apply (see test_zero3_default_buckets_hold_500m_elements_per_agent).
+RECIPE_CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"
 
 
 def count_bytes(tmp_path, stage: str | None, auto_buckets: bool = True, family: str = "magrpo") -> dict:
@@ -57,12 +51,7 @@ def count_bytes(tmp_path, stage: str | None, auto_buckets: bool = True, family: 
     if stage is not None:
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=stage)
         if auto_buckets:
-            config = json.loads(json.dumps(AUTO_BUCKETS))
-            config["zero_optimization"]["stage"] = int(stage)
-            if stage == "3":
-                config["zero_optimization"].update(ZERO3_AUTO)
-            (tmp_path / "ds.json").write_text(json.dumps(config))
-            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(tmp_path / "ds.json")
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(RECIPE_CONFIGS / f"deepspeed_zero{stage}.json")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(W)]
     command += [str(SCRIPTS / "agent_memory_ranks.py"), str(tmp_path / "out"), str(N), family]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -124,8 +113,8 @@ def test_zero3_partitions_parameters_too(tmp_path):
 @pytest.mark.slow
 @needs_deepspeed
 def test_zero3_default_buckets_hold_500m_elements_per_agent(tmp_path):
-    """Without a DeepSpeed config of "auto" bucket sizes (Accelerate's plugin from the environment, or the recipes'
-    yaml configs), ZeRO-3 takes DeepSpeed's default reduce_bucket_size of 5e8 elements and allocates it per engine:
+    """Without a DeepSpeed config of "auto" bucket sizes (Accelerate's plugin from the environment alone; the recipes'
+    configs name one), ZeRO-3 takes DeepSpeed's default reduce_bucket_size of 5e8 elements and allocates it per engine:
     2 GB per agent in fp32 (1 GB in bf16) on every rank, untouched pages on a CPU but reserved memory on a GPU. This
     records DeepSpeed's default; docs/scaling.md says how to avoid it."""
     counted = count_bytes(tmp_path, "3", auto_buckets=False)
