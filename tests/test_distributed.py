@@ -129,8 +129,13 @@ def test_deepspeed_marlhf_trains_the_reward_model_with_its_own_engine(tmp_path, 
     assert report["reward_engines"] == [["DeepSpeedEngine", 3]]
     assert len(report["reward_loss"]) == 1 and 0 < report["reward_loss"][0] < 10
     # after the RL stage: the two agents' optimisers hold state; the reward model's moments are gone (under ZeRO-3
-    # its engine stays for scoring, its optimiser state does not)
+    # its weights stay partitioned and score through an engine without an optimiser)
     assert report["memory"][0][0] == 2
+    # the reward model scores as it did right after training, through what MARLHF scores with, and its training
+    # engine's optimiser is gone under ZeRO-3 too (with its fp32 master and gradient partitions and, at DeepSpeed's
+    # default bucket size, a 2 GB reduce bucket)
+    assert report["scores"] == report["trained_scores"] and len(report["scores"]) == 1
+    assert report["training_optimizer_alive"] == [False]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed)")
@@ -143,9 +148,11 @@ def test_deepspeed_marlhf_iter_rebuilds_engines_and_keeps_memory_flat(tmp_path, 
     assert report["reward_engines"] == [["DeepSpeedEngine", 3]] * 2
     first, second = report["memory"]
     assert first == second  # flat across iterations
-    # the two agents' optimisers; the reward model's moments are cleared after it trains (under ZeRO-3 its engine
-    # stays, as its partitioned weights are scored through it, until the next reward model is built)
+    # the two agents' optimisers; the reward model's optimiser goes after it trains (under ZeRO-3 its partitioned
+    # weights score through an engine without one, until the next reward model is built)
     assert first[0] == 2
+    assert report["scores"] == report["trained_scores"] and len(report["scores"]) == 2
+    assert report["training_optimizer_alive"] == [False, False]
 
 
 def test_madpo_process_with_only_ties_joins_every_collective(tmp_path):

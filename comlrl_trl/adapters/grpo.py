@@ -117,15 +117,27 @@ def release_accelerator(accelerator) -> None:
     """
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is not None:
-        for name in _ENGINE_MODULE_HOOKS:
-            handle = getattr(wrapped.engine, name, None)
-            if handle is not None:
-                handle.remove()
-                setattr(wrapped.engine, name, None)
-        for param in wrapped.engine.module.parameters():
-            if hasattr(param, "_z3_optimizer"):  # ZeRO-3's back-reference from every parameter to its optimiser
-                del param._z3_optimizer
+        unhook_engine(wrapped.engine)
     accelerator.free_memory()
+
+
+def unhook_engine(engine) -> None:
+    """Remove what ties a DeepSpeed engine to its module beyond `destroy()`: its forward hooks, and ZeRO-3's
+    back-reference from every parameter to its optimiser."""
+    for name in _ENGINE_MODULE_HOOKS:
+        handle = getattr(engine, name, None)
+        if handle is not None:
+            handle.remove()
+            setattr(engine, name, None)
+    for param in engine.module.parameters():
+        if hasattr(param, "_z3_optimizer"):
+            del param._z3_optimizer
+
+
+def release_engine(engine) -> None:
+    """Free a DeepSpeed engine that no Accelerator prepared (`unhook_engine`, then DeepSpeed's `destroy()`)."""
+    unhook_engine(engine)
+    engine.destroy()
 
 
 class AgentGRPOTrainer(GRPOTrainer):

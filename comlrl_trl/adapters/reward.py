@@ -4,6 +4,7 @@
 process's active plugin) and tokenises plain-text preference rows through a named hook, `tokenize_row`.
 `active_deepspeed_plugin` swaps the reward configuration's DeepSpeed plugin in while that trainer is built and trained.
 `load_sequence_classifier` loads the reward model as TRL's `RewardTrainer` does (with TRL's internal loader).
+`zero3_scoring_engine` swaps a trained ZeRO-3 reward model's training engine for TRL's inference engine.
 """
 
 import contextlib
@@ -14,10 +15,11 @@ from accelerate.utils.deepspeed import get_active_deepspeed_plugin
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from trl import RewardTrainer
 from trl.data_utils import get_dataset_column_names
+from trl.models.utils import prepare_deepspeed
 from trl.trainer.reward_trainer import suppress_seqcls_warning
 from trl.trainer.utils import create_model_from_path
 
-from .grpo import deepspeed_state_exists
+from .grpo import deepspeed_state_exists, release_accelerator
 
 
 @contextlib.contextmanager
@@ -42,6 +44,21 @@ def active_deepspeed_plugin(plugin):
     finally:
         state.deepspeed_plugins = previous
         get_active_deepspeed_plugin(state).select(_from_accelerator_state=True)  # transformers' ZeRO-3 flag too
+
+
+def zero3_scoring_engine(trainer: RewardTrainer):
+    """The engine that scores with `trainer`'s model once it has trained under ZeRO-3, where its weights stay
+    partitioned and only an engine's hooks gather them for a forward.
+
+    The training engine is released (AdamW's moments, the fp32 master and gradient partitions, the reduce buckets:
+    with DeepSpeed's default bucket of 5e8 elements, 2 GB in fp32 on every process) and the partitioned module is
+    wrapped in TRL's inference engine (`prepare_deepspeed`, as TRL does for its reference models: ZeRO-3, no
+    optimiser). Call it with the reward configuration's DeepSpeed plugin active. Release the engine with
+    `release_engine`.
+    """
+    model, accelerator = trainer.model, trainer.accelerator
+    release_accelerator(accelerator)
+    return prepare_deepspeed(model, accelerator)
 
 
 def load_sequence_classifier(source: str) -> PreTrainedModel:

@@ -1,5 +1,7 @@
 """MARLHF (and MARLHFIter with `iter`) under DeepSpeed in one process (CPU): the reward-model stage trains beside
-the agents' engines, and repeated train() calls keep agent 0's engine.
+the agents' engines, and repeated train() calls keep agent 0's engine. Records, for each reward model, its scores of
+fixed texts right after training (through its training engine) and once the stage is over (through what MARLHF
+scores with), and whether its training engine's optimiser is still alive then.
 
 Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> torchrun --nproc_per_node 1 ...
 """
@@ -7,6 +9,7 @@ Run with: ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=<2|3> to
 import gc
 import json
 import sys
+import weakref
 
 import torch
 from datasets import Dataset
@@ -35,15 +38,23 @@ def live_optimizer_state() -> list[int]:
     return [len(states), tensors]
 
 
+TEXTS = ["Item 0: say something. A: yes B: no", "Item 1: say something. A: a longer answer B: ok"]
+
+
 class RecordingRewardTrainer(marlhf_trainer.JointRewardTrainer):
-    """Records the reward model's engine: its own, configured from the reward config's batch size."""
+    """Records the reward model's engine (its own, configured from the reward config's batch size), its scores of
+    `TEXTS` right after training, and a weak reference to the engine's optimiser."""
 
     engines: list = []
+    scores: list = []
+    optimizers: list = []
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)
         engine = self.model_wrapped
         self.engines.append([type(engine).__name__, engine.train_micro_batch_size_per_gpu()])
+        self.scores.append(marlhf_trainer.RewardModelScorer(self.model, self.processing_class, 64).score(TEXTS))
+        self.optimizers.append(weakref.ref(engine.optimizer))
         return output
 
 
@@ -88,8 +99,18 @@ def main(output_dir: str, iterative: bool) -> None:
             train_dataset=dataset,
             args=MARLHFConfig(**common),
         )
-    memory = []
+    memory, scoring, optimizers = [], [], []
     rl_stage = trainer._rl_stage
+    reward_stage = trainer._train_reward_model
+
+    def recording_reward_stage(*args, **kwargs):
+        output = reward_stage(*args, **kwargs)
+        scoring.append(trainer.learned_reward.scorer.score(TEXTS))
+        gc.collect()
+        optimizers.append(RecordingRewardTrainer.optimizers[-1]() is not None)
+        return output
+
+    trainer._train_reward_model = recording_reward_stage
 
     def recording_stage(*args, **kwargs):
         output = rl_stage(*args, **kwargs)
@@ -108,6 +129,9 @@ def main(output_dir: str, iterative: bool) -> None:
                 "reward_model": type(trainer.reward_model).__name__,
                 "memory": memory,
                 "reward_engines": RecordingRewardTrainer.engines,
+                "trained_scores": RecordingRewardTrainer.scores,
+                "scores": scoring,
+                "training_optimizer_alive": optimizers,
                 "reward_loss": [
                     r["reward_model/train_loss"] for r in trainer.log_history if "reward_model/train_loss" in r
                 ],

@@ -18,8 +18,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import RewardConfig
 
-from ...adapters.grpo import release_accelerator, zero3_enabled
-from ...adapters.reward import active_deepspeed_plugin
+from ...adapters.grpo import release_accelerator, release_engine, zero3_enabled
+from ...adapters.reward import active_deepspeed_plugin, zero3_scoring_engine
 from ...batching import even_shard
 from ...formatters import build_formatters, format_prompt
 from ...inputs import check_reward_arity, resolve_agent_sources
@@ -341,21 +341,19 @@ class MARLHFTrainer(MARLHFCheckpoints):
             trainer.remove_callback(PrinterCallback)  # this trainer logs the stage's metrics itself (self.log)
             trainer.remove_callback(ProgressCallback)
             output = trainer.train()
-            keep_engine = zero3_enabled(trainer)
-        if keep_engine:
-            self._reward_trainer = trainer  # ZeRO-3 weights stay partitioned: scoring needs the engine's hooks
-            _drop_optimizer_moments(trainer.optimizer)
-        else:
-            release_accelerator(trainer.accelerator)  # the model is scored as it is; its optimiser state goes
+            if zero3_enabled(trainer):  # the weights stay partitioned: scoring needs an engine's hooks
+                self._reward_engine = zero3_scoring_engine(trainer)
+            else:
+                release_accelerator(trainer.accelerator)  # the model is scored as it is; its optimiser state goes
         self._set_reward_model(trainer.model)
         return output
 
     def _release_reward_model(self) -> None:
-        """Free the previous reward model: its engine and optimiser state (kept under ZeRO-3 for scoring), its scorer
-        and the model itself, so that it is gone before the next one is built."""
-        trainer, self._reward_trainer = getattr(self, "_reward_trainer", None), None
-        if trainer is not None:
-            release_accelerator(trainer.accelerator)
+        """Free the previous reward model: its scoring engine (under ZeRO-3), its scorer and the model itself, so that
+        it is gone before the next one is built."""
+        engine, self._reward_engine = getattr(self, "_reward_engine", None), None
+        if engine is not None:
+            release_engine(engine)
         self.reward_model, self.learned_reward.scorer = None, None
         gc.collect()
         if torch.cuda.is_available():
@@ -501,20 +499,6 @@ def _preserved_rng():
         torch.set_rng_state(states[2])
         if states[3] is not None:
             torch.cuda.set_rng_state_all(states[3])
-
-
-def _drop_optimizer_moments(optimizer) -> None:
-    """Clear the state (AdamW's moments) of the torch optimiser inside Accelerate's and DeepSpeed's wrappers.
-
-    Under ZeRO-3 the reward model's engine outlives its training (its hooks gather the partitioned weights for
-    scoring); its optimiser never steps again, so its moments (8 bytes per parameter, partitioned) go now rather than
-    when the next reward model is built. The fp32 master partitions (4 bytes per parameter) stay with the engine.
-    """
-    while optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer"):
-            optimizer.state.clear()
-            return
-        optimizer = getattr(optimizer, "optimizer", None)
 
 
 def _check_reward_model_device(device: str | None, processes: int) -> None:
