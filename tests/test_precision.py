@@ -157,6 +157,27 @@ def test_cpu_default_bf16_is_off_for_models_too_small_to_gain(qwen_path, tmp_pat
     assert trainer.accelerator.mixed_precision == "no"
 
 
+def test_a_lora_team_keeps_the_cpu_default_bf16_like_full_fine_tuning(qwen_path, tmp_path, monkeypatch):
+    """Budget mode (docs/benchmarks.md, 2026-12-07): on a CPU with bf16 units, LoRA in bf16 learns per CPU second at
+    least as well as in fp32 (level at the peer's budget, the peer's final reward reached sooner), as full fine-tuning
+    does, so LoRA adapters do not change the default: bf16 stays on where the model gains from it."""
+    from peft import LoraConfig
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "CPU_BF16_MIN_HIDDEN_SIZE", 32)  # the tiny model stands in for SmolLM2
+    config = _config(tmp_path, num_agents=1, use_cpu=True)
+    assert config.bf16 is True and config.bf16_from_default
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_path,
+        num_agents=1,
+        reward_func=_lengths,
+        train_dataset=_items(1),
+        args=config,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.args.bf16 is True and trainer.accelerator.mixed_precision == "bf16"
+
+
 def test_explicit_bf16_is_kept_for_small_models(qwen_path, tmp_path):
     trainer = MAGRPOTrainer(
         agent_model=qwen_path,
