@@ -796,19 +796,24 @@ def _listing(directory: str) -> list[tuple[str, int]]:
     return sorted(files)
 
 
-def nested_manifest(directory: str) -> dict[str, dict[str, Any]]:
+def nested_manifest(directory: str, relatives: list[str]) -> dict[str, dict[str, Any]]:
     """The manifests of the checkpoints nested in `directory` (a subdirectory with metadata of its own, such as the
-    RL stage's epoch checkpoint moved into a MARLHF checkpoint), merged, keyed by path relative to `directory`. The
-    nested metadata files themselves are not in it."""
+    RL stage's epoch checkpoint moved into a MARLHF checkpoint), found among `relatives` (its listing), merged, keyed
+    by path relative to `directory`. The nested metadata files themselves are not in it."""
     found = {}
-    for parent, _, names in os.walk(directory):
-        prefix = os.path.relpath(parent, directory).replace(os.sep, "/")
-        if prefix == "." or METADATA_NAME not in names:
+    for relative in relatives:
+        prefix, _, name = relative.rpartition("/")
+        if not prefix or name != METADATA_NAME:
             continue
-        with open(os.path.join(parent, METADATA_NAME)) as f:
+        with open(os.path.join(directory, *relative.split("/"))) as f:
             manifest = json.load(f).get(MANIFEST_KEY) or {}
-        found.update({f"{prefix}/{relative}": entry for relative, entry in manifest.items()})
+        found.update({f"{prefix}/{nested}": entry for nested, entry in manifest.items()})
     return found
+
+
+def _listing_and_nested(directory: str) -> tuple[list[tuple[str, int]], dict[str, dict[str, Any]]]:
+    files = _listing(directory)
+    return files, nested_manifest(directory, [relative for relative, _ in files])
 
 
 def build_manifest(directory: str, accelerator=None) -> dict[str, dict[str, Any]]:
@@ -819,7 +824,7 @@ def build_manifest(directory: str, accelerator=None) -> dict[str, dict[str, Any]
     processes, call it on every process: the main process lists the files, every process hashes its share of the
     others (`hash_files`), and every process gets the whole manifest.
     """
-    files, known = on_main_process(lambda: (_listing(directory), nested_manifest(directory)), accelerator)
+    files, known = on_main_process(lambda: _listing_and_nested(directory), accelerator)  # one walk
     fresh = [(relative, size) for relative, size in files if known.get(relative, {}).get("size") != size]
     paths = [os.path.join(directory, *relative.split("/")) for relative, _ in fresh]
     digests = dict(

@@ -130,7 +130,7 @@ def unhook_engine(engine) -> None:
             handle.remove()
             setattr(engine, name, None)
     for param in engine.module.parameters():
-        if hasattr(param, "_z3_optimizer"):
+        if hasattr(param, "_z3_optimizer"):  # ZeRO-3's back-reference from every parameter to its optimiser
             del param._z3_optimizer
 
 

@@ -159,6 +159,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
         _check_reward_model_device(args.reward_model_device, self.rl_trainer.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, inputs["eval_dataset"]
         self.reward_model: PreTrainedModel | None = None
+        self._reward_engine = None  # under ZeRO-3: the engine the trained reward model scores through
         self.preference_pairs: list[PreferencePair] = []
         self.log_history: list[dict[str, Any]] = []
         self.iteration = 0
@@ -351,7 +352,7 @@ class MARLHFTrainer(MARLHFCheckpoints):
     def _release_reward_model(self) -> None:
         """Free the previous reward model: its scoring engine (under ZeRO-3), its scorer and the model itself, so that
         it is gone before the next one is built."""
-        engine, self._reward_engine = getattr(self, "_reward_engine", None), None
+        engine, self._reward_engine = self._reward_engine, None
         if engine is not None:
             release_engine(engine)
         self.reward_model, self.learned_reward.scorer = None, None
