@@ -351,7 +351,8 @@ def main() -> None:
         results.append({"label": label, "system": system, "settings": settings, **result})
     ratios = summarize(results)
     print_table(results, ratios)
-    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+    from comlrl_trl.integrations.machine import cpu_model
+    from comlrl_trl.precision import cpu_has_fast_bf16
 
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)

@@ -342,7 +342,8 @@ def budget_main(args, parser) -> None:
         parser.error("--budget without the peer needs --budget-cpu-s")
     runs_dir = args.runs_dir or RESULTS / "learning-budget-runs"
     sys.path.insert(0, str(ROOT))
-    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+    from comlrl_trl.integrations.machine import cpu_model
+    from comlrl_trl.precision import cpu_has_fast_bf16
 
     if args.model == "tiny":
         from comlrl_trl.testing import tiny_model_path
@@ -538,8 +539,9 @@ def main():
         )
 
     sys.path.insert(0, str(ROOT))
-    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+    from comlrl_trl.integrations.machine import cpu_model
     from comlrl_trl.models.demo import demo_model_path
+    from comlrl_trl.precision import cpu_has_fast_bf16
 
     base = {"model": demo_model_path(), "epochs": args.epochs, "lr": 5e-5, "k": 4, "tokens": 48, "eval_samples": 4}
     base["chat"] = args.chat

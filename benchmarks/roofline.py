@@ -347,7 +347,7 @@ def build_ours(s, take):
 def build_trl(s, take):
     from trl import GRPOConfig, GRPOTrainer
 
-    from comlrl_trl.hardware import cpu_bf16_pays_off
+    from comlrl_trl.precision import cpu_bf16_pays_off
     from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
     ours = MAGRPOConfig(
@@ -585,7 +585,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from bench import ensure_peer_venv
 
-    from comlrl_trl.hardware import cpu_has_fast_bf16, cpu_model
+    from comlrl_trl.integrations.machine import cpu_model
+    from comlrl_trl.precision import cpu_has_fast_bf16
 
     if args.model == "tiny":
         from comlrl_trl.testing import tiny_model_path

@@ -111,7 +111,7 @@ def run_trl_defaults(s):
     """TRL's GRPOTrainer with the settings comlrl_trl's defaults resolve to for one agent."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from comlrl_trl.hardware import cpu_bf16_pays_off
+    from comlrl_trl.precision import cpu_bf16_pays_off
     from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
     assert s["agents"] == 1, "plain TRL trains one policy"

@@ -32,8 +32,8 @@ from .core.joint import completion_returns, joint_action_indices
 from .core.returns import suffix_returns, tree_returns
 from .formatters import Formatter, check_prompt, format_prompt
 from .generation.team_generator import TeamGenerator, team_generator
-from .hardware import training_autocast
 from .joint_reward import JointReward, accepts_keyword
+from .precision import training_autocast
 
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from trl import ModelConfig
 
-from comlrl_trl.hardware import matmul_gflops
+from comlrl_trl.integrations.machine import matmul_gflops
 from comlrl_trl.integrations.plotting import plot_reward_curve
 from comlrl_trl.joint_reward import accepts_keyword
 from comlrl_trl.loading import check_model_source

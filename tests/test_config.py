@@ -6,8 +6,9 @@ from transformers import HfArgumentParser
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import TrlParser
 
-from comlrl_trl import hardware
-from comlrl_trl.hardware import cpu_has_fast_bf16
+from comlrl_trl import precision
+from comlrl_trl.integrations.machine import cpu_model
+from comlrl_trl.precision import cpu_has_fast_bf16
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comlrl_trl.utils.reward_processor import RewardProcessors
 
@@ -36,7 +37,7 @@ def test_plain_config_runs_on_this_machine_without_precision_flags(out):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_on_the_cpu_bf16_follows_the_cpus_bf16_support(out, monkeypatch, fast):
-    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: fast)
     cfg = config(out, use_cpu=True)
     assert cfg.bf16 is fast
     assert cfg.mixed_precision == ("bf16" if fast else "no")
@@ -46,21 +47,21 @@ def test_cpu_flags_decide_fast_bf16(tmp_path):
     def with_flags(flags):
         cpuinfo = tmp_path / f"cpuinfo-{len(flags)}"
         cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n")
-        return hardware.cpu_has_fast_bf16(str(cpuinfo))
+        return precision.cpu_has_fast_bf16(str(cpuinfo))
 
     assert with_flags("avx2 avx512f avx512_bf16") is True
     assert with_flags("avx2 amx_tile amx_bf16 x") is True
     assert with_flags("avx2 avx512f avx512_vnni avx512_fp16") is False  # bf16 would be emulated: slower than fp32
-    assert hardware.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
+    assert precision.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
 
 def test_cpu_model_is_read_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: avx2\n")
-    assert hardware.cpu_model(str(cpuinfo)) == "AMD EPYC 7B13"
+    assert cpu_model(str(cpuinfo)) == "AMD EPYC 7B13"
     (tmp_path / "arm").write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # no model name line (some ARM kernels)
-    assert hardware.cpu_model(str(tmp_path / "arm")) == "unknown"
-    assert hardware.cpu_model(str(tmp_path / "missing")) == "unknown"
+    assert cpu_model(str(tmp_path / "arm")) == "unknown"
+    assert cpu_model(str(tmp_path / "missing")) == "unknown"
 
 
 def test_explicit_bf16_false_is_kept(out):

@@ -2,7 +2,7 @@
 agent, each agent has its own optimiser), scaler states saved per agent and restored on resume, a step with an inf
 gradient skipped by that agent only; `cast_lm_head_to_fp32` passed through to each agent's TRL head.
 
-On a CPU, Accelerate ignores fp16 (no scaler, no autocast); `hardware.enable_cpu_fp16` switches on the same path
+On a CPU, Accelerate ignores fp16 (no scaler, no autocast); `precision.enable_cpu_fp16` switches on the same path
 as on a GPU, so these tests run here."""
 
 import os
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from comlrl_trl import hardware
+from comlrl_trl import precision
 from comlrl_trl.trainers.reinforce import MAGRPOConfig
 
 
@@ -112,6 +112,6 @@ def test_fp16_leaves_the_default_bf16_off(tmp_path):
 
 
 def test_the_colocated_vllm_engines_sample_in_the_training_precision():
-    assert hardware.rollout_dtype(fp16=True, bf16=False) == "float16"
-    assert hardware.rollout_dtype(fp16=False, bf16=True) == "bfloat16"
-    assert hardware.rollout_dtype(fp16=False, bf16=False) == "auto"  # the checkpoint's dtype
+    assert precision.rollout_dtype(fp16=True, bf16=False) == "float16"
+    assert precision.rollout_dtype(fp16=False, bf16=True) == "bfloat16"
+    assert precision.rollout_dtype(fp16=False, bf16=False) == "auto"  # the checkpoint's dtype

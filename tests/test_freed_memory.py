@@ -11,7 +11,7 @@ _FAULTS = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from comlrl_trl.hardware import keep_freed_cpu_memory
+    from comlrl_trl.fast.memory import keep_freed_cpu_memory
     if sys.argv[1] == "keep":
         assert keep_freed_cpu_memory() is True
     def faults_of_allocation():

@@ -6,7 +6,8 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from comlrl_trl import hardware
+from comlrl_trl import precision
+from comlrl_trl.integrations.machine import matmul_gflops
 from comlrl_trl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 
@@ -147,7 +148,7 @@ def test_one_agent_matches_trl_grpo_in_bf16_within_tolerance(qwen_path, tmp_path
 
 
 def test_cpu_default_bf16_is_off_for_models_too_small_to_gain(qwen_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
     config = _config(tmp_path, num_agents=1, use_cpu=True)
     assert config.bf16 is True and config.bf16_from_default  # the device supports it ...
     trainer = MAGRPOTrainer(
@@ -163,8 +164,8 @@ def test_a_lora_team_keeps_the_cpu_default_bf16_like_full_fine_tuning(qwen_path,
     does, so LoRA adapters do not change the default: bf16 stays on where the model gains from it."""
     from peft import LoraConfig
 
-    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
-    monkeypatch.setattr(hardware, "CPU_BF16_MIN_HIDDEN_SIZE", 32)  # the tiny model stands in for SmolLM2
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_HIDDEN_SIZE", 32)  # the tiny model stands in for SmolLM2
     config = _config(tmp_path, num_agents=1, use_cpu=True)
     assert config.bf16 is True and config.bf16_from_default
     trainer = MAGRPOTrainer(
@@ -190,9 +191,9 @@ def test_explicit_bf16_is_kept_for_small_models(qwen_path, tmp_path):
 
 
 def test_hidden_size_threshold(qwen_path, monkeypatch):
-    assert hardware.cpu_bf16_pays_off([qwen_path]) is False  # hidden size 32
-    monkeypatch.setattr(hardware, "CPU_BF16_MIN_HIDDEN_SIZE", 32)
-    assert hardware.cpu_bf16_pays_off([qwen_path]) is True
+    assert precision.cpu_bf16_pays_off([qwen_path]) is False  # hidden size 32
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_HIDDEN_SIZE", 32)
+    assert precision.cpu_bf16_pays_off([qwen_path]) is True
 
 
 def test_lora_generation_casts_the_frozen_base_once_and_keeps_it_frozen(qwen_path, tmp_path):
@@ -224,11 +225,11 @@ def test_training_autocast_is_bf16_where_accelerates_is_a_no_op():
 
     sentinel = nullcontext("accelerate's")
     deepspeed_like = SimpleNamespace(native_amp=False, device=torch.device("cpu"), autocast=lambda: sentinel)
-    with hardware.training_autocast(deepspeed_like, bf16=True):
+    with precision.training_autocast(deepspeed_like, bf16=True):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    assert hardware.training_autocast(deepspeed_like, bf16=False) is sentinel  # fp32 (or fp16): Accelerate's
+    assert precision.training_autocast(deepspeed_like, bf16=False) is sentinel  # fp32 (or fp16): Accelerate's
     native = SimpleNamespace(native_amp=True, device=torch.device("cpu"), autocast=lambda: sentinel)
-    assert hardware.training_autocast(native, bf16=True) is sentinel
+    assert precision.training_autocast(native, bf16=True) is sentinel
 
 
 def test_critic_and_reference_kl_forwards_run_in_bf16_when_accelerates_autocast_is_off(
@@ -293,5 +294,5 @@ def test_matmul_rate_is_the_best_of_the_timed_products_in_gflops():
     # A clock whose timed products take 2 s, 0.5 s and 1 s: the best is 0.5 s. A 100 x 100 product is
     # 2 * 100**3 = 2e6 floating-point operations, so the rate is 2e6 / 0.5 / 1e9 = 0.004 GFLOP/s.
     ticks = iter([0.0, 2.0, 10.0, 10.5, 20.0, 21.0])
-    rate = hardware.matmul_gflops(torch.float32, size=100, repeats=3, clock=lambda: next(ticks))
+    rate = matmul_gflops(torch.float32, size=100, repeats=3, clock=lambda: next(ticks))
     assert rate == pytest.approx(0.004)

@@ -33,7 +33,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import nanstd, pad, shuffle_sequence_dict, split_tensor_dict, use_adapter
 
 from ..core.importance import importance_sampling_ratio, logp_differences, resolve_correction
-from ..hardware import enable_cpu_fp16
+from ..precision import enable_cpu_fp16
 from .helpers import gradient_checkpointing_disabled, zero_sharded
 from .logprob_forward import AgentLogProbForward
 from .shared_prompt import shares_prompts
@@ -639,7 +639,7 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """transformers' Accelerator of this agent; with `fp16` on a CPU, with fp16 autocast and its own loss scaler
-        (`hardware.enable_cpu_fp16`), which Accelerate creates on GPUs only. Each agent's Accelerator owns its scaler."""
+        (`precision.enable_cpu_fp16`), which Accelerate creates on GPUs only. Each agent's Accelerator owns its scaler."""
         super().create_accelerator_and_postprocess()
         enable_cpu_fp16(self.accelerator)
 

@@ -4,4 +4,7 @@ top-k kept (`multinomial`) and packed linear weights (`packed_linear`), all call
 of torch, transformers, Accelerate or TRL is replaced. Each keeps the tokens and random state of transformers'
 `generate` (packed fp16 weights excepted, see `packed_linear`). The rollout path reaches them only through
 `comlrl_trl.generation`'s generators.
+
+One speed-up of training sits here too, off unless asked for because it changes process-wide state: freed memory
+kept in the process for reuse (`memory`, `TeamConfig.keep_freed_cpu_memory`).
 """

@@ -26,9 +26,9 @@ from ...adapters.grpo import zero3_enabled
 from ...adapters.helpers import zero_sharded
 from ...checkpoint import model_fingerprint
 from ...core.values import value_loss
-from ...hardware import training_autocast
 from ...joint_text import joint_text
 from ...loading import attach_value_head, load_exported_weights
+from ...precision import training_autocast
 from ...value_models import (
     VALUE_HEAD_NAME,
     CausalLMWithValueHead,

@@ -12,9 +12,9 @@ import torch
 
 from ...batching import concat_scored_batches
 from ...core.values import broadcast_rewards, td_targets, whiten
-from ...hardware import training_autocast
 from ...joint_reward import JointReward
 from ...orchestrator import JointRolloutOrchestrator, Node, Turn
+from ...precision import training_autocast
 
 
 if TYPE_CHECKING:

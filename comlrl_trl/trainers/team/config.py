@@ -14,7 +14,7 @@ from ...agent_overrides import PER_AGENT_FIELDS, check_positive, validate_agent_
 from ...checkpoint import check_output_dir
 from ...compat import CoMLRLFieldErrors
 from ...core.returns import joint_actions_per_item
-from ...hardware import bf16_is_fast, cpu_bf16_pays_off
+from ...precision import bf16_is_fast, cpu_bf16_pays_off
 
 
 # Defaults shared by CoMLRL's documented fields and their TRL twins. Each pair may be set through either name.
@@ -146,7 +146,7 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         keep_freed_cpu_memory (`bool`, *optional*, defaults to `False`):
             On a CPU, make the C library (glibc) keep the memory that tensors free for reuse instead of returning it
             to the kernel, so that the gradients and buffers reallocated at every update do not page-fault their
-            memory in again (`comlrl_trl.hardware.keep_freed_cpu_memory`: 7-11% less CPU time for an epoch of
+            memory in again (`comlrl_trl.fast.memory.keep_freed_cpu_memory`: 7-11% less CPU time for an epoch of
             SmolLM2-135M on an idle machine, 18% on a busy one; the same peak memory there, about 90 MB more on tiny
             models). What it changes is process-wide and never undone: glibc's `mallopt` settings (no `mmap` for
             large allocations, no trimming of the heap, 256 MB heap growth) for every library and thread of the

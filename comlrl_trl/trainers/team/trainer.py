@@ -36,8 +36,8 @@ from ...adapters.helpers import call_save_model
 from ...adapters.team import TeamGRPOTrainer, TrainingPlan
 from ...agent_overrides import agent_config
 from ...checkpoint import model_fingerprint
+from ...fast.memory import keep_freed_cpu_memory
 from ...formatters import build_formatters
-from ...hardware import keep_freed_cpu_memory, rollout_dtype
 from ...inputs import (
     check_datasets,
     check_trainer_inputs,
@@ -51,6 +51,7 @@ from ...integrations.wandb import WandbRunCallback, validate_wandb_config, verbo
 from ...joint_reward import JointReward
 from ...loading import check_model_source, is_peft_model, one_device_loading, shared_lora_bases
 from ...orchestrator import JointRolloutOrchestrator
+from ...precision import rollout_dtype
 from ...team_settings import write_team_settings
 from ...value_models import low_precision_trainable
 from .checkpoints import TeamCheckpoints

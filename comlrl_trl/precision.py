@@ -1,6 +1,6 @@
-"""What the device can do fast: the precision defaults of the configurations follow it."""
+"""Which precision a run trains and samples in, from what the device does fast: the configurations' bf16 default, the
+autocast of forwards beside the agents' own, fp16 on a CPU, and the colocated vLLM engines' dtype."""
 
-import ctypes
 import functools
 import os
 
@@ -28,17 +28,11 @@ def bf16_is_fast(use_cpu: bool) -> bool:
 @functools.cache
 def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AMX-BF16 or AVX512-BF16 (read from `cpuinfo`; False where it is absent)."""
-    flags = (_cpuinfo_value("flags", cpuinfo) or "").split()
+    flags = (cpuinfo_value("flags", cpuinfo) or "").split()
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (Linux `/proc/cpuinfo`), or "unknown": benchmark results record it, because the same
-    code runs several-fold faster or slower on machines with the same core count."""
-    return _cpuinfo_value("model name", cpuinfo) or "unknown"
-
-
-def _cpuinfo_value(key: str, cpuinfo: str) -> str | None:
+def cpuinfo_value(key: str, cpuinfo: str) -> str | None:
     """The value of the first `key: value` line of `cpuinfo`, stripped; None where the file or the line is absent."""
     try:
         with open(cpuinfo) as f:
@@ -73,34 +67,6 @@ def _hidden_size(model) -> int:
         config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "hidden_size", CPU_BF16_MIN_HIDDEN_SIZE)
-
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
-
-
-@functools.cache
-def keep_freed_cpu_memory() -> bool:
-    """Make the C library keep freed memory in the process for reuse, instead of handing it back to the kernel.
-
-    A training step on a CPU frees and reallocates the same large tensors every update (gradients, autocast's bf16
-    weight copies, the log-probability head's buffers). glibc serves allocations above a few MB with `mmap` and
-    returns them with `munmap` when freed, so each new tensor page-faults its memory in again and the kernel zeroes
-    it: training SmolLM2-135M spent 40% of its CPU time in the kernel, with twice as many page faults as its peak
-    memory has pages. Here every allocation comes from the heap (`M_MMAP_MAX=0`), which is never trimmed
-    (`M_TRIM_THRESHOLD`) and grows in 256 MB strides (`M_TOP_PAD`, address space only until touched). What a step
-    freed stays in the process for the next: peak memory is the same on SmolLM2, about 90 MB higher on the tiny
-    test models. Process-wide and one-way: the settings hold for every library and thread of the process until it
-    ends, and nothing here undoes them; applied once. The trainers call it only when asked
-    (`TeamConfig.keep_freed_cpu_memory`, off by default). Returns whether it applied (False where the C library has
-    no `mallopt`, e.g. musl or macOS).
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 * 2**20))
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 def training_autocast(accelerator, bf16: bool):
@@ -145,31 +111,3 @@ def rollout_dtype(fp16: bool, bf16: bool) -> str:
     Sampling in the precision the loss forward runs in keeps the training-inference mismatch small (fp16's 10
     mantissa bits against bf16's 7; docs/scaling.md, "Precision on GPUs")."""
     return "float16" if fp16 else "bfloat16" if bf16 else "auto"
-
-
-def matmul_gflops(
-    dtype: torch.dtype = torch.bfloat16, size: int = 1024, repeats: int = 5, clock=None, device="cpu"
-) -> float:
-    """The rate of one `size` x `size` matrix product in `dtype` on `device`, in GFLOP/s (on the CPU: on the current
-    torch threads; on a GPU each timed product is synchronised).
-
-    The best of `repeats` timed products after one warm-up (2 * size**3 floating-point operations each). Training
-    times differ several-fold between machines with the same core count (bf16 units, clock, memory), so a timing is
-    reported with this rate beside it. `clock` (default `time.perf_counter`) is for tests.
-    """
-    import time
-
-    clock = clock or time.perf_counter
-    device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    a = torch.randn(size, size).to(device, dtype)
-    b = torch.randn(size, size).to(device, dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = clock()
-        torch.mm(a, b)
-        sync()
-        best = min(best, clock() - start)
-    return 2 * size**3 / best / 1e9
