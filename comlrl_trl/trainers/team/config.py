@@ -146,12 +146,13 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
         keep_freed_cpu_memory (`bool`, *optional*, defaults to `False`):
             On a CPU, make the C library (glibc) keep the memory that tensors free for reuse instead of returning it
             to the kernel, so that the gradients and buffers reallocated at every update do not page-fault their
-            memory in again (`comlrl_trl.fast.memory.keep_freed_cpu_memory`: 7-11% less CPU time for an epoch of
-            SmolLM2-135M on an idle machine, 18% on a busy one; the same peak memory there, about 90 MB more on tiny
-            models). What it changes is process-wide and never undone: glibc's `mallopt` settings (no `mmap` for
-            large allocations, no trimming of the heap, 256 MB heap growth) for every library and thread of the
-            process, from the first trainer built with it to the process's end. `False` (the default) leaves malloc
-            as it is.
+            memory in again (`comlrl_trl.fast.memory.keep_freed_cpu_memory`: 7-11% less CPU time for the short
+            SmolLM2-135M full fine-tuning epochs of `benchmarks/bench.py` on an idle machine, 18% on a busy one, none
+            measurable for the tutorial's 3 fully fine-tuned epochs of 48 new tokens; the same peak memory there,
+            about 90 MB more on tiny models). What it changes is process-wide and never undone: glibc's `mallopt`
+            settings (no `mmap` for large allocations, no trimming of the heap, 256 MB heap growth) for every library
+            and thread of the process, from the first trainer built with it to the process's end. `False` (the
+            default) leaves malloc as it is.
         cpu_fp16_generation_weights (`bool`, *optional*, defaults to `False`):
             When an agent generates in fp32 on a CPU (no bf16 units there, or `bf16=False`), round each linear
             layer's weight to fp16 once per `generate` call and multiply with fbgemm's fp16-weight kernel (fp32
@@ -269,8 +270,8 @@ class TeamConfig(CoMLRLFieldErrors, GRPOConfig):
     keep_freed_cpu_memory: bool = field(
         default=False,
         metadata={
-            "help": "On a CPU, keep freed memory in the process for reuse (7-11%% less CPU time): sets glibc's "
-            "mallopt for the whole process, never undone. Default False: malloc left as it is."
+            "help": "On a CPU, keep freed memory in the process for reuse (7-11%% less CPU time on short SmolLM2 "
+            "epochs): sets glibc's mallopt for the whole process, never undone. Default False: malloc left as it is."
         },
     )
     cpu_fp16_generation_weights: bool = field(
